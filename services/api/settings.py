@@ -1,0 +1,14 @@
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from shared.settings import CommonSettings
+
+
+class ApiSettings(CommonSettings):
+    """api service settings (env prefix BURSTRL_API_, common ones BURSTRL_)."""
+
+    model_config = SettingsConfigDict(env_prefix="BURSTRL_", extra="ignore")
+
+    feed_interval_s: float = Field(0.2, gt=0, description="How often the feeder tops up prompts.")

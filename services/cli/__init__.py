@@ -1,0 +1,1 @@
+"""The `burstrl` command line (typer + rich): up, down, submit, status, demo, plan, init-model."""

@@ -1,0 +1,64 @@
+"""Rich displays: follow a job with a progress bar; per-version summary table; services."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+
+def follow_job(api: str, job_id: str, headers: dict[str, str], console: Console, timeout: float = 3600) -> dict[str, Any]:
+    """Poll the job until it is completed and its final version evaluated (or it fails)."""
+    deadline = time.time() + timeout
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
+                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(), console=console) as bar:
+        status = httpx.get(f"{api}/v1/jobs/{job_id}", headers=headers, timeout=10).json()
+        task = bar.add_task(job_id, total=status["job"]["spec"]["steps"], info="")
+        while time.time() < deadline:
+            try:
+                status = httpx.get(f"{api}/v1/jobs/{job_id}", headers=headers, timeout=10).json()
+            except httpx.HTTPError as e:
+                bar.update(task, info=f"[yellow]api unreachable: {e}")
+                time.sleep(2)
+                continue
+            last, evals = status.get("last_step") or {}, status["evals"]
+            acc = f"held-out acc v{evals[-1]['version']} {evals[-1]['accuracy']:.2f}" if evals else "held-out acc -"
+            bar.update(task, completed=status["policy_version"],
+                       info=f"reward {last.get('reward_mean', 0):.2f}  {acc}  in-flight {status['ledger'].get('in_flight', 0)}")
+            state = status["job"]["state"]
+            final_eval = any(e["version"] == status["policy_version"] for e in evals)
+            if state in ("cancelled", "failed") or (state == "completed" and final_eval):
+                break
+            time.sleep(1.0)
+    return status
+
+
+def print_summary(status: dict[str, Any], console: Console) -> None:
+    job = status["job"]
+    console.print(f"job [bold]{job['id']}[/]: {job['state']}, policy v{status['policy_version']}")
+    evals = {e["version"]: e for e in status["evals"]}
+    steps = {p["step"]: p for p in status.get("trainer_points", [])}
+    t = Table(title="per policy version")
+    for col in ("version", "train reward (batch)", "held-out acc (T=1)", "held-out acc (greedy)"):
+        t.add_column(col, justify="right")
+    for v in sorted(set(evals) | set(steps)):
+        e, s = evals.get(v, {}), steps.get(v, {})
+        t.add_row(str(v), f"{s['reward_mean']:.3f}" if s else "", f"{e['accuracy']:.3f}" if e else "",
+                  f"{e['greedy_accuracy']:.3f}" if e else "")
+    console.print(t)
+    led = status["ledger"]
+    console.print("ledger: " + ", ".join(f"{k}={v}" for k, v in sorted(led.items())))
+
+
+def print_services(services: list[dict[str, Any]], console: Console) -> None:
+    t = Table(title="services")
+    for col in ("role", "replica", "ready", "age s", "reasons"):
+        t.add_column(col)
+    for s in services:
+        t.add_row(s["role"], s["replica"], "[green]yes" if s["ready"] else "[red]no", str(s["age_s"]),
+                  "; ".join(f"{k}: {v}" for k, v in s.get("reasons", {}).items()))
+    console.print(t)

@@ -1,0 +1,29 @@
+"""Build the tiny model once (idempotent): random Qwen2 + byte tokenizer, then SFT."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+DONE = "burstrl_ready.json"
+
+
+def ensure_tiny_model(out: Path, *, force: bool = False, log: Callable[[str], None] = print) -> Path:
+    out = out.resolve()
+    if (out / DONE).exists() and not force:
+        return out
+    from services.trainer.sft import sft_warm_start
+    from services.trainer.tiny_model import build_model
+
+    base = out.parent / (out.name + "-base")
+    shutil.rmtree(base, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
+    log(f"building tiny model in {base}")
+    build_model(base)
+    log("SFT warm-start with TRL (about a minute on 2 cores)")
+    sft_warm_start(base, out)
+    shutil.rmtree(out / "_sft_run", ignore_errors=True)
+    (out / DONE).write_text(json.dumps({"base": str(base)}))
+    return out

@@ -1,0 +1,1 @@
+"""The reward stage: scores every completion with its job's task verifier."""

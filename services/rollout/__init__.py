@@ -1,0 +1,1 @@
+"""The rollout stage: samples G completions per prompt, adopts new policies, evaluates."""

@@ -1,0 +1,69 @@
+"""Connecting to Redis, and the start-up checks that protect the run's data.
+
+An eviction policy other than `noeviction` can silently drop a whole stream under
+memory pressure, so we refuse to run on one. AOF off means a Redis crash loses the
+last moments of the run: allowed (CI, a throwaway laptop) but logged loudly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import redis
+
+log = logging.getLogger(__name__)
+
+
+class RedisPolicyError(RuntimeError):
+    """Redis is configured in a way that can lose data; the message says how to fix it."""
+
+
+def connect(url: str) -> redis.Redis:
+    """A client with timeouts, so a dead server surfaces as an error instead of a hang."""
+    return redis.Redis.from_url(
+        url,
+        decode_responses=False,
+        socket_timeout=10.0,
+        socket_connect_timeout=3.0,
+        health_check_interval=15,
+        retry_on_timeout=False,
+    )
+
+
+def check_server(r: redis.Redis) -> list[str]:
+    """Raise RedisPolicyError on an eviction policy; return warnings (e.g. AOF off)."""
+    warnings: list[str] = []
+    try:
+        policy = r.config_get("maxmemory-policy").get(b"maxmemory-policy", b"").decode()
+        aof = r.config_get("appendonly").get(b"appendonly", b"").decode()
+    except redis.ResponseError:  # managed Redis often forbids CONFIG: say so, go on
+        return ["cannot read Redis CONFIG (managed server?): make sure maxmemory-policy is noeviction"]
+    if policy and policy != "noeviction":
+        raise RedisPolicyError(
+            f"Redis maxmemory-policy is {policy!r}: it may evict stream entries and lose data. "
+            "Set `maxmemory-policy noeviction` (redis.conf or CONFIG SET) and restart burstrl."
+        )
+    if aof != "yes":
+        warnings.append("Redis AOF is off: a Redis crash loses recent stream entries (appendonly yes)")
+    return warnings
+
+
+def wait_for_redis(url: str, *, attempts: int = 0, max_backoff_s: float = 10.0) -> redis.Redis:
+    """Connect with exponential backoff (attempts=0: forever), running the checks once up."""
+    delay = 0.25
+    n = 0
+    while True:
+        n += 1
+        r = connect(url)
+        try:
+            r.ping()
+            for w in check_server(r):
+                log.warning("%s", w)
+            return r
+        except redis.ConnectionError as e:
+            if attempts and n >= attempts:
+                raise ConnectionError(f"Redis at {url} unreachable after {n} attempts: {e}") from e
+            log.warning("Redis at %s unreachable (%s); retrying in %.1fs", url, e, delay)
+            time.sleep(delay)
+            delay = min(max_backoff_s, delay * 2)

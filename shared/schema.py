@@ -1,0 +1,135 @@
+"""Every message that crosses a Redis stream, typed and versioned (msgspec + msgpack).
+
+Direction is in each type's docstring. Token ids and log-probs travel as packed
+little-endian arrays (int32 / float32 bytes): ~4x smaller than msgpack lists and
+decoded with one numpy call. Never pickle: a consumer must be able to reject bytes
+it does not understand, and put them on the dead-letter stream with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import msgspec
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+
+def pack_i32(xs: list[int] | np.ndarray) -> bytes:
+    return np.asarray(xs, dtype="<i4").tobytes()
+
+
+def pack_f32(xs: list[float] | np.ndarray) -> bytes:
+    return np.asarray(xs, dtype="<f4").tobytes()
+
+
+def pack_u8(xs: list[int] | np.ndarray) -> bytes:
+    return np.asarray(xs, dtype="<u1").tobytes()
+
+
+def unpack_i32(b: bytes) -> np.ndarray:
+    return np.frombuffer(b, dtype="<i4")
+
+
+def unpack_f32(b: bytes) -> np.ndarray:
+    return np.frombuffer(b, dtype="<f4")
+
+
+def unpack_u8(b: bytes) -> np.ndarray:
+    return np.frombuffer(b, dtype="<u1")
+
+
+class Message(msgspec.Struct, kw_only=True, tag_field="type"):
+    """Base: every message carries its schema version and job."""
+
+    v: int = SCHEMA_VERSION
+    job_id: str
+
+
+class PromptMsg(Message, tag="prompt", kw_only=True):
+    """api -> rollout: one prompt; rollout turns it into one group of G completions."""
+
+    group_id: str
+    item_id: str
+    prompt: str
+    fields: dict[str, str] = {}
+    fed_at: float = 0.0
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    """One sampled completion. Arrays are packed; all have len(token_ids) entries."""
+
+    token_ids: bytes  # int32[T]
+    logprobs: bytes  # float32[T]: the sampler's log-prob of each sampled token
+    loss_mask: bytes  # uint8[T]: 1 = trained on (0 for tool output in multi-turn)
+    text: str
+    finish_reason: str  # "stop" | "length" | ...
+    reward: float = 0.0
+    reward_parts: dict[str, float] = {}
+    ref_logprobs: bytes = b""  # float32[T], filled by ref
+
+
+class GroupMsg(Message, tag="group", kw_only=True):
+    """rollout -> reward -> (ref ->) trainer: G completions of one prompt.
+
+    The same type flows through every stage; `stage` says how far it got, so a
+    consumer can reject a group that skipped a stage it depends on.
+    """
+
+    group_id: str
+    item_id: str
+    prompt: str
+    prompt_ids: bytes  # int32[P]
+    fields: dict[str, str] = {}
+    policy_version: int
+    completions: list[Completion]
+    stage: str = "rolled"  # "rolled" -> "scored" -> "ready"
+    sampled_at: float = 0.0
+
+
+class PolicyPublished(Message, tag="policy", kw_only=True):
+    """trainer -> rollout: version N of a job's policy is complete in the object store."""
+
+    version: int
+    path: str  # store key prefix of the version folder
+    step: int
+    published_at: float
+
+
+class DeadLetter(msgspec.Struct, kw_only=True):
+    """any stage -> dead stream: what could not be handled, and why."""
+
+    stream: str
+    entry_id: str
+    reason: str
+    payload: bytes
+    at: float
+
+
+AnyMessage = PromptMsg | GroupMsg | PolicyPublished
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMessage)
+T = TypeVar("T", bound=Message)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes, expected: type[T]) -> T:
+    """Decode and check the type; raises msgspec.ValidationError / DecodeError / TypeError."""
+    msg = _decoder.decode(data)
+    if not isinstance(msg, expected):
+        raise TypeError(f"expected {expected.__name__}, got {type(msg).__name__}")
+    if msg.v != SCHEMA_VERSION:
+        raise TypeError(f"schema version {msg.v} is not {SCHEMA_VERSION}")
+    return msg
+
+
+def encode_dead(d: DeadLetter) -> bytes:
+    return _encoder.encode(d)
+
+
+def decode_dead(data: bytes) -> DeadLetter:
+    return msgspec.msgpack.decode(data, type=DeadLetter)

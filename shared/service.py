@@ -1,0 +1,194 @@
+"""What every service process shares: health, metrics, heartbeat, HTTP server, stop.
+
+A service's `__main__` builds its settings, a `ServiceRuntime`, and runs its worker
+loop in the main thread (vLLM and torch want the main thread); the HTTP server
+(/healthz, /readyz, /metrics plus the service's own routes) runs in a daemon thread.
+Readiness is a set of named checks the worker updates ("redis", "model", ...), so
+/readyz can say exactly why a service is not ready while it keeps running.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import redis
+import uvicorn
+from fastapi import Depends, FastAPI, Header, HTTPException
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from shared import __version__, keys
+from shared.redis_conn import RedisPolicyError, check_server, connect
+from shared.settings import DEFAULT_PORTS, CommonSettings
+
+log = logging.getLogger(__name__)
+
+
+def setup_logging(role: str) -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s {role:<7} %(levelname)-5s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+class Health:
+    """Named readiness checks, updated by the worker, read by /readyz and the heartbeat."""
+
+    def __init__(self) -> None:
+        self._checks: dict[str, tuple[bool, str]] = {}
+        self._lock = threading.Lock()
+
+    def set(self, name: str, ok: bool, reason: str = "") -> None:
+        with self._lock:
+            prev = self._checks.get(name)
+            self._checks[name] = (ok, reason)
+        if prev is None or prev[0] != ok:
+            (log.info if ok else log.warning)("%s: %s%s", name, "ok" if ok else "NOT ready", f" ({reason})" if reason else "")
+
+    def snapshot(self) -> tuple[bool, dict[str, dict[str, Any]]]:
+        with self._lock:
+            checks = {k: {"ok": ok, "reason": r} for k, (ok, r) in self._checks.items()}
+        return all(c["ok"] for c in checks.values()) and bool(checks), checks
+
+
+def bearer_auth(settings: CommonSettings) -> Callable[..., None]:
+    """A dependency that checks `Authorization: Bearer <token>` in constant time."""
+
+    def check(authorization: Annotated[str | None, Header()] = None) -> None:
+        if settings.dev and not settings.token:
+            return  # local-dev mode binds to loopback only (enforced by settings)
+        scheme, _, given = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), settings.token.encode()):
+            raise HTTPException(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
+
+    return check
+
+
+class ServiceRuntime:
+    def __init__(self, role: str, settings: CommonSettings) -> None:
+        self.role = role
+        self.settings = settings
+        self.port = settings.port or DEFAULT_PORTS[role]
+        self.health = Health()
+        self.stop = threading.Event()
+        self.registry = CollectorRegistry()
+        self.gauges: dict[str, Any] = {}  # extra fields for the heartbeat (e.g. versions)
+        self.errors = Counter("burstrl_errors", "Errors survived by the worker loop", ["kind"], registry=self.registry)
+        self.up = Gauge("burstrl_ready", "1 when /readyz is ok", registry=self.registry)
+        self.redis = connect(settings.redis_url)
+        self.auth = Depends(bearer_auth(settings))
+        self.app = self._build_app()
+        self.started_at = time.time()
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title=f"burstrl {self.role}", version=__version__)
+
+        @app.get("/healthz", tags=["health"])
+        def healthz() -> dict[str, Any]:
+            return {"status": "alive", "role": self.role, "replica": self.settings.replica,
+                    "version": __version__, "uptime_s": round(time.time() - self.started_at, 1)}
+
+        @app.get("/readyz", tags=["health"])
+        def readyz() -> JSONResponse:
+            ok, checks = self.health.snapshot()
+            return JSONResponse({"ready": ok, "role": self.role, "checks": checks}, status_code=200 if ok else 503)
+
+        @app.get("/metrics", tags=["health"])
+        def metrics() -> Response:
+            self.up.set(1 if self.health.snapshot()[0] else 0)
+            return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+        return app
+
+    # -- lifecycle -----------------------------------------------------------------
+    def start(self) -> None:
+        """Start the HTTP server and heartbeat threads; SIGTERM/SIGINT set `stop`."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop.set())
+        config = uvicorn.Config(self.app, host=self.settings.host, port=self.port, log_level="warning", access_log=False)
+        self._server = uvicorn.Server(config)
+        threading.Thread(target=self._server.run, name="http", daemon=True).start()
+        threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+        log.info("%s listening on http://%s:%d", self.role, self.settings.host, self.port)
+
+    def shutdown(self) -> None:
+        self.stop.set()
+        try:
+            self.redis.delete(keys.service(self.role, self.settings.replica))
+        except redis.RedisError:
+            pass
+        if hasattr(self, "_server"):
+            self._server.should_exit = True
+
+    def _heartbeat_loop(self) -> None:
+        period = self.settings.heartbeat_s
+        while not self.stop.is_set():
+            try:
+                self.redis.ping()
+                self.health.set("redis", True)
+                ok, checks = self.health.snapshot()
+                beat = {
+                    "role": self.role, "replica": self.settings.replica, "host": socket.gethostname(),
+                    "port": self.port, "version": __version__, "ready": ok,
+                    "reasons": {k: c["reason"] for k, c in checks.items() if not c["ok"]},
+                    "at": time.time(), **self.gauges,
+                }
+                self.redis.set(keys.service(self.role, self.settings.replica), json.dumps(beat), ex=int(period * 5) + 1)
+            except redis.RedisError as e:
+                self.health.set("redis", False, f"{type(e).__name__}: {e}")
+            self.stop.wait(period)
+
+    def preflight(self) -> None:
+        """Wait for Redis (not-ready meanwhile), then refuse to run on an evicting server."""
+        delay = 0.25
+        while not self.stop.is_set():
+            try:
+                self.redis.ping()
+                break
+            except redis.ConnectionError as e:
+                self.health.set("redis", False, f"unreachable: {e}")
+                self.stop.wait(delay)
+                delay = min(10.0, delay * 2)
+        try:
+            for w in check_server(self.redis):
+                log.warning("%s", w)
+        except RedisPolicyError as e:
+            log.critical("%s", e)
+            raise SystemExit(2) from e
+        self.health.set("redis", True)
+
+    # -- worker helpers ------------------------------------------------------------
+    def survive(self, fn: Callable[[], None], *, backoff_s: float = 1.0) -> None:
+        """Run one worker iteration; on error, report it and back off instead of dying.
+
+        A lost Redis makes the service not-ready (with the reason) until it is back;
+        any other error is logged and counted, and the loop goes on.
+        """
+        try:
+            fn()
+        except redis.ConnectionError as e:
+            self.health.set("redis", False, f"unreachable: {e}")
+            self.errors.labels("redis").inc()
+            self.stop.wait(backoff_s)
+        except redis.RedisError as e:
+            self.errors.labels("redis").inc()
+            log.warning("redis error: %s", e)
+            self.stop.wait(backoff_s)
+        except Exception:
+            self.errors.labels("worker").inc()
+            log.exception("worker iteration failed; carrying on")
+            self.stop.wait(backoff_s)
+
+
+def active_job_ids(r: redis.Redis) -> list[str]:
+    return sorted(m.decode() for m in r.smembers(keys.active_jobs()))

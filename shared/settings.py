@@ -1,0 +1,64 @@
+"""Settings shared by every service; each service extends `CommonSettings` with its own.
+
+Filled from the environment (pydantic-settings). `REDIS_URL` and `STORE_URL` keep their
+plain names because compose files and other tools use them; everything else is
+prefixed `BURSTRL_` (and `BURSTRL_<ROLE>_` for a service's own fields).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Self
+
+from pydantic import AliasChoices, Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+PLACEHOLDER_TOKENS = {"", "changeme", "change-me", "secret", "token", "dev", "password"}
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
+
+
+class CommonSettings(BaseSettings):
+    """What every service needs: where Redis and the object store are, and the token."""
+
+    # Common fields carry explicit aliases, so a service's own env_prefix
+    # (BURSTRL_ROLLOUT_, ...) applies only to the fields it adds.
+    model_config = SettingsConfigDict(env_prefix="BURSTRL_", extra="ignore", populate_by_name=True)
+
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        validation_alias=AliasChoices("REDIS_URL", "BURSTRL_REDIS_URL"),
+        description="Redis DSN (redis:// or rediss:// with password for cross-site use).",
+    )
+    store_url: str = Field(
+        "file://.burstrl/store",
+        validation_alias=AliasChoices("STORE_URL", "BURSTRL_STORE_URL"),
+        description="Object store: file://<dir> or s3://bucket/prefix.",
+    )
+    token: str = Field("", validation_alias="BURSTRL_TOKEN", description="Bearer token for every HTTP endpoint but health.")
+    dev: bool = Field(False, validation_alias="BURSTRL_DEV", description="Local-dev mode: placeholder token allowed, loopback only.")
+    host: str = Field("127.0.0.1", validation_alias="BURSTRL_HOST", description="Bind address of the service's HTTP server.")
+    port: int = Field(0, validation_alias="BURSTRL_PORT", ge=0, le=65535, description="HTTP port; 0 uses the role's default.")
+    replica: str = Field(
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
+        validation_alias="BURSTRL_REPLICA",
+        description="Replica id shown in the service registry.",
+    )
+    data_dir: Path = Field(Path(".burstrl"), validation_alias="BURSTRL_DATA_DIR", description="Local scratch (adapter cache, logs).")
+    heartbeat_s: float = Field(2.0, validation_alias="BURSTRL_HEARTBEAT_S", gt=0, description="Heartbeat period into Redis.")
+
+    @model_validator(mode="after")
+    def _token_required_outside_dev(self) -> Self:
+        if self.dev:
+            if self.host not in LOOPBACK_HOSTS:
+                raise ValueError("BURSTRL_DEV=1 only binds to loopback; set BURSTRL_HOST=127.0.0.1")
+        elif self.token.strip().lower() in PLACEHOLDER_TOKENS or len(self.token) < 16:
+            raise ValueError(
+                "BURSTRL_TOKEN must be a real secret (>= 16 chars, not a placeholder); "
+                "for a laptop run set BURSTRL_DEV=1 instead"
+            )
+        return self
+
+
+DEFAULT_PORTS = {"api": 8700, "rollout": 8701, "reward": 8702, "ref": 8703, "trainer": 8704}

@@ -1,0 +1,144 @@
+"""The object store: `file://<dir>` (embedded default) or `s3://bucket/prefix`.
+
+Keys are '/'-separated. Writes are atomic per object (file: write to a temp file then
+rename; S3: a PUT is atomic), which is what "a version exists once its manifest
+does" builds on. S3 endpoint and credentials come from the environment:
+STORE_ENDPOINT_URL (or AWS_ENDPOINT_URL), AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+AWS_REGION — so MinIO, R2 and S3 all work.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Protocol
+from urllib.parse import urlparse
+
+
+class StoreError(RuntimeError):
+    pass
+
+
+class ObjectStore(Protocol):
+    url: str
+
+    def put(self, key: str, data: bytes) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def exists(self, key: str) -> bool: ...
+    def list(self, prefix: str) -> list[str]: ...
+    def delete(self, key: str) -> None: ...
+
+
+class FileStore:
+    def __init__(self, root: Path) -> None:
+        self.root = root.resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.url = f"file://{self.root}"
+
+    def _path(self, key: str) -> Path:
+        p = (self.root / key).resolve()
+        if self.root not in p.parents:
+            raise StoreError(f"key {key!r} escapes the store root")
+        return p
+
+    def put(self, key: str, data: bytes) -> None:
+        p = self._path(key)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, p)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise StoreError(f"no object {key!r} in {self.url}") from None
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str) -> list[str]:
+        base = self._path(prefix) if prefix else self.root
+        if not base.exists():
+            return []
+        return sorted(
+            str(p.relative_to(self.root))
+            for p in base.rglob("*")
+            if p.is_file() and not p.name.startswith(".tmp-")
+        )
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+
+class S3Store:
+    def __init__(self, bucket: str, prefix: str) -> None:
+        import boto3
+        from botocore.config import Config
+
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.url = f"s3://{bucket}/{self.prefix}"
+        endpoint = os.environ.get("STORE_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL")
+        self.s3 = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name=os.environ.get("AWS_REGION", "us-east-1"),
+            config=Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5),
+        )
+
+    def _k(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def put(self, key: str, data: bytes) -> None:
+        self.s3.put_object(Bucket=self.bucket, Key=self._k(key), Body=data)
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self.s3.get_object(Bucket=self.bucket, Key=self._k(key))["Body"].read()
+        except self.s3.exceptions.NoSuchKey:
+            raise StoreError(f"no object {key!r} in {self.url}") from None
+
+    def exists(self, key: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.s3.head_object(Bucket=self.bucket, Key=self._k(key))
+            return True
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
+
+    def list(self, prefix: str) -> list[str]:
+        out: list[str] = []
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        pages = self.s3.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=self._k(prefix)
+        )
+        for page in pages:
+            out.extend(o["Key"][strip:] for o in page.get("Contents", []))
+        return sorted(out)
+
+    def delete(self, key: str) -> None:
+        self.s3.delete_object(Bucket=self.bucket, Key=self._k(key))
+
+
+def open_store(url: str) -> ObjectStore:
+    """Parse STORE_URL. Relative file:// paths are relative to the working directory."""
+    u = urlparse(url)
+    if u.scheme == "file":
+        return FileStore(Path(u.netloc + u.path))
+    if u.scheme == "s3":
+        if not u.netloc:
+            raise StoreError(f"STORE_URL {url!r} has no bucket: use s3://bucket/prefix")
+        return S3Store(u.netloc, u.path)
+    raise StoreError(f"STORE_URL {url!r}: scheme must be file:// or s3://")

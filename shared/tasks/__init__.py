@@ -1,0 +1,12 @@
+"""Tasks: a prompt source, a train/held-out split and a verifier, registered by name.
+
+Pure Python (no torch): the api feeds prompts from here, the reward service scores
+with the verifier, and rollout's held-out evaluation uses both.
+"""
+
+from __future__ import annotations
+
+from shared.tasks import arith as _arith  # noqa: F401  (registers "arith")
+from shared.tasks.base import Task, TaskItem, get_task, register_task, task_names
+
+__all__ = ["Task", "TaskItem", "get_task", "register_task", "task_names"]
