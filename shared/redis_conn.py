@@ -35,8 +35,8 @@ def check_server(r: redis.Redis) -> list[str]:
     """Raise RedisPolicyError on an eviction policy; return warnings (e.g. AOF off)."""
     warnings: list[str] = []
     try:
-        policy = r.config_get("maxmemory-policy").get(b"maxmemory-policy", b"").decode()
-        aof = r.config_get("appendonly").get(b"appendonly", b"").decode()
+        policy = _config(r, "maxmemory-policy")
+        aof = _config(r, "appendonly")
     except redis.ResponseError:  # managed Redis often forbids CONFIG: say so, go on
         return ["cannot read Redis CONFIG (managed server?): make sure maxmemory-policy is noeviction"]
     if policy and policy != "noeviction":
@@ -47,6 +47,13 @@ def check_server(r: redis.Redis) -> list[str]:
     if aof != "yes":
         warnings.append("Redis AOF is off: a Redis crash loses recent stream entries (appendonly yes)")
     return warnings
+
+
+def _config(r: redis.Redis, name: str) -> str:
+    # redis-py returns str or bytes keys depending on version and decode_responses.
+    got = {(k.decode() if isinstance(k, bytes) else k): v for k, v in r.config_get(name).items()}
+    v = got.get(name, "")
+    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def wait_for_redis(url: str, *, attempts: int = 0, max_backoff_s: float = 10.0) -> redis.Redis:

@@ -18,7 +18,7 @@ from services.cli.model import ensure_tiny_model
 from services.cli.stack import start_stack
 
 DEMO_JOB = {
-    "name": "demo", "task": "arith", "group_size": 8, "batch_size": 8, "learning_rate": 2e-3,
+    "name": "demo", "task": "arith", "group_size": 16, "batch_size": 8, "learning_rate": 1e-3,
     "lora_rank": 16, "lora_alpha": 32, "kl_coef": 0.001, "max_staleness": 1, "eval_size": 64,
     "sampling": {"temperature": 1.0, "max_tokens": 6},
 }

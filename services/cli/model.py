@@ -8,12 +8,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 DONE = "burstrl_ready.json"
+# Bump when the model or SFT recipe changes, so cached models are rebuilt.
+RECIPE = "arith-slip0-sft600x128-v2"
 
 
 def ensure_tiny_model(out: Path, *, force: bool = False, log: Callable[[str], None] = print) -> Path:
     out = out.resolve()
     if (out / DONE).exists() and not force:
-        return out
+        if json.loads((out / DONE).read_text()).get("recipe") == RECIPE:
+            return out
     from services.trainer.sft import sft_warm_start
     from services.trainer.tiny_model import build_model
 
@@ -25,5 +28,5 @@ def ensure_tiny_model(out: Path, *, force: bool = False, log: Callable[[str], No
     log("SFT warm-start with TRL (about a minute on 2 cores)")
     sft_warm_start(base, out)
     shutil.rmtree(out / "_sft_run", ignore_errors=True)
-    (out / DONE).write_text(json.dumps({"base": str(base)}))
+    (out / DONE).write_text(json.dumps({"base": str(base), "recipe": RECIPE}))
     return out

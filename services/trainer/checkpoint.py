@@ -49,6 +49,8 @@ def optimizer_to_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Te
 def optimizer_from_tensors(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], groups: list[dict]) -> None:
     state: dict[int, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
+        if not key.startswith("state."):  # e.g. "rng.torch" shares the file
+            continue
         _, idx, name = key.split(".", 2)
         state.setdefault(int(idx), {})[name] = t
     opt.load_state_dict({"state": state, "param_groups": groups})

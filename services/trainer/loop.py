@@ -17,7 +17,13 @@ import msgspec
 import torch
 
 from services.trainer.batch import collate
-from services.trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, optimizer_from_tensors, save_checkpoint
+from services.trainer.checkpoint import (
+    TrainState,
+    latest_checkpoint,
+    load_checkpoint,
+    optimizer_from_tensors,
+    save_checkpoint,
+)
 from services.trainer.grpo import group_advantages, policy_loss, token_logprobs
 from services.trainer.policy import ADAPTER_WEIGHTS, adapter_files, load_adapter_weights, load_policy
 from services.trainer.settings import TrainerSettings
@@ -196,6 +202,9 @@ def claim_job(rt: ServiceRuntime, settings: TrainerSettings) -> JobRecord | None
         rec = load_job(rt.redis, job_id)
         if rec is None or rec.state != JobState.running:
             continue
-        if rt.redis.set(keys.trainer_lease(job_id), settings.replica, nx=True, ex=settings.lease_s):
+        key = keys.trainer_lease(job_id)
+        if rt.redis.set(key, settings.replica, nx=True, ex=settings.lease_s):
+            return rec
+        if rt.redis.get(key) == settings.replica.encode():  # ours, from before an error
             return rec
     return None

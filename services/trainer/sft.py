@@ -20,11 +20,14 @@ def sft_warm_start(
     out_dir: Path,
     *,
     task_name: str = "arith",
-    steps: int = 300,
-    batch_size: int = 32,
+    # Recipe (tuned on 2 CPU cores, ~55 s of training): long enough that the model gets
+    # the sum itself right (~80-90% greedy on held-out) while only 25% of the demos stop
+    # after it, so v0 is ~20% sampled / ~0% greedy and GRPO only has to drop the slip.
+    steps: int = 600,
+    batch_size: int = 128,
     learning_rate: float = 3e-3,
     seed: int = 0,
-    correct_fraction: float = 0.35,
+    correct_fraction: float = 0.25,
 ) -> Path:
     """Fine-tune model_dir on the task's training split; save to out_dir (safetensors)."""
     import torch

@@ -1,0 +1,103 @@
+"""Fixtures: real redis-server and S3 (moto) processes on free ports, the tiny model.
+
+Every process a fixture starts is stopped by its pid at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from services.cli.launch import free_port, port_open, terminate
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_CACHE = Path(os.environ.get("BURSTRL_TEST_MODEL", ROOT / ".burstrl" / "models" / "tiny-sft"))
+
+
+def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 20) -> None:
+    deadline = time.time() + timeout
+    while not port_open(port):
+        if proc.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"{what} did not start on port {port}")
+        time.sleep(0.1)
+
+
+class RedisServer:
+    """A redis-server we own (AOF everysec), restartable on the same port and data."""
+
+    def __init__(self, tmp: Path, policy: str = "noeviction") -> None:
+        self.port = free_port()
+        self.dir = tmp
+        self.policy = policy
+        self.proc: subprocess.Popen | None = None
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        exe = shutil.which("redis-server")
+        assert exe, "redis-server must be installed (make install does it)"
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir), "--appendonly", "yes",
+             "--appendfsync", "everysec", "--maxmemory-policy", self.policy, "--save", ""],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        _wait_port(self.port, self.proc, "redis-server")
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    srv = RedisServer(tmp_path_factory.mktemp("redis"))
+    srv.start()
+    yield srv
+    srv.kill()
+
+
+@pytest.fixture
+def r(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    """A clean database per test."""
+    client = redis_server.client()
+    client.flushall()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """moto's standalone S3 server on loopback; a real HTTP S3 protocol peer."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    _wait_port(port, proc, "moto S3 server")
+    endpoint = f"http://127.0.0.1:{port}"
+    os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_REGION": "us-east-1", "STORE_ENDPOINT_URL": endpoint})
+    yield endpoint
+    terminate(proc.pid, 5)
+
+
+def make_bucket(endpoint: str, name: str) -> None:
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=name)
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """The tiny SFT'd model, built once and cached under .burstrl/ (as `make demo` does)."""
+    from services.cli.model import ensure_tiny_model
+
+    return ensure_tiny_model(MODEL_CACHE)

@@ -1,0 +1,35 @@
+import msgspec
+import numpy as np
+import pytest
+
+from shared.schema import Completion, GroupMsg, PromptMsg, decode, encode, pack_f32, pack_i32, unpack_f32, unpack_i32
+
+
+def _group() -> GroupMsg:
+    c = Completion(token_ids=pack_i32([5, 6, 0]), logprobs=pack_f32([-0.5, -1.25, -0.1]),
+                   loss_mask=bytes([1, 1, 1]), text="12", finish_reason="stop")
+    return GroupMsg(job_id="j", group_id="j:g0", item_id="1+2", prompt="1+2=", prompt_ids=pack_i32([1, 2]),
+                    policy_version=3, completions=[c])
+
+
+def test_group_roundtrip_keeps_packed_arrays_exact():
+    g = decode(encode(_group()), GroupMsg)
+    assert g.policy_version == 3
+    assert unpack_i32(g.completions[0].token_ids).tolist() == [5, 6, 0]
+    np.testing.assert_array_equal(unpack_f32(g.completions[0].logprobs), np.float32([-0.5, -1.25, -0.1]))
+
+
+def test_decode_rejects_wrong_type_and_garbage():
+    with pytest.raises(TypeError):
+        decode(encode(PromptMsg(job_id="j", group_id="g", item_id="i", prompt="p")), GroupMsg)
+    with pytest.raises(msgspec.DecodeError):
+        decode(b"\xc1not msgpack", GroupMsg)
+    with pytest.raises(msgspec.ValidationError):
+        decode(msgspec.msgpack.encode({"type": "group", "job_id": "j"}), GroupMsg)
+
+
+def test_decode_rejects_future_schema_version():
+    g = _group()
+    g.v = 99
+    with pytest.raises(TypeError, match="schema version"):
+        decode(encode(g), GroupMsg)
