@@ -35,8 +35,8 @@ from pydantic import BaseModel
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from shared.plan.memory import Method, TrainerSettings, Workload, trainer_memory
-from shared.plan.model_shape import ModelShape
+from shared.plan.memory import Method, TrainerSettings, Workload, trainer_memory  # noqa: E402
+from shared.plan.model_shape import ModelShape  # noqa: E402
 
 # Random-init Qwen2 shapes: "tiny" keeps a CI test fast; "small" has a realistic ratio of
 # vocab to hidden (the log-prob tensors matter) and enough layers for activations to dominate.
@@ -126,9 +126,7 @@ def measure(case: Case) -> dict[str, float]:
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     marker_bytes = 777_777  # a distinctive allocation marks where training starts
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        cfg = Qwen2Config(
-            **CONFIGS[case.config], tie_word_embeddings=True, attn_implementation="sdpa"
-        )
+        cfg = Qwen2Config(**CONFIGS[case.config], tie_word_embeddings=True, attn_implementation="sdpa")
         model = Qwen2ForCausalLM(cfg).to(dtype)
         if case.method == "lora":
             from peft import LoraConfig, get_peft_model
@@ -144,9 +142,7 @@ def measure(case: Case) -> dict[str, float]:
             ]
             model = get_peft_model(
                 model,
-                LoraConfig(
-                    r=case.rank, lora_alpha=2 * case.rank, target_modules=targets
-                ),
+                LoraConfig(r=case.rank, lora_alpha=2 * case.rank, target_modules=targets),
             )
         if case.grad_checkpointing:
             model.gradient_checkpointing_enable()
@@ -155,26 +151,16 @@ def measure(case: Case) -> dict[str, float]:
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
-        batches = [
-            torch.randint(0, cfg.vocab_size, (m, P + C)) for _ in range(case.accum)
-        ]
+        batches = [torch.randint(0, cfg.vocab_size, (m, P + C)) for _ in range(case.accum)]
         adv = torch.randn(m, 1)
         marker = torch.empty(marker_bytes, dtype=torch.uint8)
         del marker
         for _ in range(2):
             for ids in batches:
-                logits = model(input_ids=ids, logits_to_keep=C + 1).logits[
-                    :, :-1
-                ]  # [m, C, V]
-                logp = (
-                    torch.log_softmax(logits.float(), dim=-1)
-                    .gather(-1, ids[:, P:, None])
-                    .squeeze(-1)
-                )
+                logits = model(input_ids=ids, logits_to_keep=C + 1).logits[:, :-1]  # [m, C, V]
+                logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[:, P:, None]).squeeze(-1)
                 del logits
-                ratio = torch.exp(
-                    logp - logp.detach()
-                )  # GRPO ratio; old log-probs = sampler's
+                ratio = torch.exp(logp - logp.detach())  # GRPO ratio; old log-probs = sampler's
                 loss = -(torch.clamp(ratio, 0.8, 1.2) * adv).mean() / case.accum
                 loss.backward()
                 del logp, ratio, loss
@@ -188,20 +174,12 @@ def measure(case: Case) -> dict[str, float]:
             yield from walk(node.children)
 
     allocs = sorted(
-        (
-            e
-            for e in walk(prof.profiler.kineto_results.experimental_event_tree())
-            if e.tag == _EventType.Allocation
-        ),
+        (e for e in walk(prof.profiler.kineto_results.experimental_event_tree()) if e.tag == _EventType.Allocation),
         key=lambda e: e.start_time_ns,
     )
-    start = next(
-        i for i, e in enumerate(allocs) if e.extra_fields.alloc_size == marker_bytes
-    )
+    start = next(i for i, e in enumerate(allocs) if e.extra_fields.alloc_size == marker_bytes)
     peak = max(e.extra_fields.total_allocated for e in allocs[start:])
-    setup = (
-        allocs[start].extra_fields.total_allocated - marker_bytes
-    )  # model + optimizer + inputs
+    setup = allocs[start].extra_fields.total_allocated - marker_bytes  # model + optimizer + inputs
     return {
         "measured": float(peak),
         "setup": float(setup),
@@ -244,9 +222,7 @@ def default_cases() -> list[Case]:
     ]
 
 
-def write_report(
-    rows: list[tuple[Case, dict[str, float]]], path: Path, command: str
-) -> float:
+def write_report(rows: list[tuple[Case, dict[str, float]]], path: Path, command: str) -> float:
     """Markdown table of estimate vs measured; returns the worst relative error."""
     mb = 1 / 2**20
     lines = [
@@ -278,15 +254,9 @@ def write_report(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--case", help="JSON of one Case: measure it here and print JSON"
-    )
-    parser.add_argument(
-        "--out", type=Path, default=REPO / "docs" / "plan_calibration.md"
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", help="JSON of one Case: measure it here and print JSON")
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "plan_calibration.md")
     args = parser.parse_args(argv)
     if args.case:
         print(json.dumps(measure(Case.model_validate_json(args.case))))

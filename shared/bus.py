@@ -77,9 +77,7 @@ class Bus:
         out = self._reclaim(streams, count)
         if out:
             return out
-        resp = self.r.xreadgroup(
-            self.group, self.consumer, {s: ">" for s in streams}, count=count, block=block_ms
-        )
+        resp = self.r.xreadgroup(self.group, self.consumer, {s: ">" for s in streams}, count=count, block=block_ms)
         for stream, entries in resp or []:
             for eid, fields in entries:
                 if fields is None:  # trimmed while pending: nothing to do but ack
@@ -96,9 +94,7 @@ class Bus:
         out: list[Entry] = []
         for stream in streams:
             # Poison first: entries delivered too often go to the dead-letter stream.
-            for p in self.r.xpending_range(
-                stream, self.group, min="-", max="+", count=count, idle=self.claim_idle_ms
-            ):
+            for p in self.r.xpending_range(stream, self.group, min="-", max="+", count=count, idle=self.claim_idle_ms):
                 if p["times_delivered"] >= self.max_deliveries:
                     eid = _s(p["message_id"])
                     got = self.r.xrange(stream, eid, eid)
@@ -107,9 +103,7 @@ class Bus:
                         Entry(stream, eid, data),
                         f"delivered {p['times_delivered']} times without being handled",
                     )
-            _, claimed, _ = self.r.xautoclaim(
-                stream, self.group, self.consumer, self.claim_idle_ms, "0-0", count=count
-            )
+            _, claimed, _ = self.r.xautoclaim(stream, self.group, self.consumer, self.claim_idle_ms, "0-0", count=count)
             for eid, fields in claimed:
                 if fields:
                     out.append(Entry(stream, _s(eid), fields.get(FIELD, b"")))

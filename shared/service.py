@@ -53,7 +53,9 @@ class Health:
             prev = self._checks.get(name)
             self._checks[name] = (ok, reason)
         if prev is None or prev[0] != ok:
-            (log.info if ok else log.warning)("%s: %s%s", name, "ok" if ok else "NOT ready", f" ({reason})" if reason else "")
+            (log.info if ok else log.warning)(
+                "%s: %s%s", name, "ok" if ok else "NOT ready", f" ({reason})" if reason else ""
+            )
 
     def snapshot(self) -> tuple[bool, dict[str, dict[str, Any]]]:
         with self._lock:
@@ -95,8 +97,13 @@ class ServiceRuntime:
 
         @app.get("/healthz", tags=["health"])
         def healthz() -> dict[str, Any]:
-            return {"status": "alive", "role": self.role, "replica": self.settings.replica,
-                    "version": __version__, "uptime_s": round(time.time() - self.started_at, 1)}
+            return {
+                "status": "alive",
+                "role": self.role,
+                "replica": self.settings.replica,
+                "version": __version__,
+                "uptime_s": round(time.time() - self.started_at, 1),
+            }
 
         @app.get("/readyz", tags=["health"])
         def readyz() -> JSONResponse:
@@ -115,7 +122,9 @@ class ServiceRuntime:
         """Start the HTTP server and heartbeat threads; SIGTERM/SIGINT set `stop`."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop.set())
-        config = uvicorn.Config(self.app, host=self.settings.host, port=self.port, log_level="warning", access_log=False)
+        config = uvicorn.Config(
+            self.app, host=self.settings.host, port=self.port, log_level="warning", access_log=False
+        )
         self._server = uvicorn.Server(config)
         threading.Thread(target=self._server.run, name="http", daemon=True).start()
         threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
@@ -138,10 +147,15 @@ class ServiceRuntime:
                 self.health.set("redis", True)
                 ok, checks = self.health.snapshot()
                 beat = {
-                    "role": self.role, "replica": self.settings.replica, "host": socket.gethostname(),
-                    "port": self.port, "version": __version__, "ready": ok,
+                    "role": self.role,
+                    "replica": self.settings.replica,
+                    "host": socket.gethostname(),
+                    "port": self.port,
+                    "version": __version__,
+                    "ready": ok,
                     "reasons": {k: c["reason"] for k, c in checks.items() if not c["ok"]},
-                    "at": time.time(), **self.gauges,
+                    "at": time.time(),
+                    **self.gauges,
                 }
                 self.redis.set(keys.service(self.role, self.settings.replica), json.dumps(beat), ex=int(period * 5) + 1)
             except redis.RedisError as e:

@@ -36,17 +36,29 @@ class CommonSettings(BaseSettings):
         validation_alias=AliasChoices("STORE_URL", "BURSTRL_STORE_URL"),
         description="Object store: file://<dir> or s3://bucket/prefix.",
     )
-    token: str = Field("", validation_alias="BURSTRL_TOKEN", description="Bearer token for every HTTP endpoint but health.")
-    dev: bool = Field(False, validation_alias="BURSTRL_DEV", description="Local-dev mode: placeholder token allowed, loopback only.")
-    host: str = Field("127.0.0.1", validation_alias="BURSTRL_HOST", description="Bind address of the service's HTTP server.")
-    port: int = Field(0, validation_alias="BURSTRL_PORT", ge=0, le=65535, description="HTTP port; 0 uses the role's default.")
+    token: str = Field(
+        "", validation_alias="BURSTRL_TOKEN", description="Bearer token for every HTTP endpoint but health."
+    )
+    dev: bool = Field(
+        False, validation_alias="BURSTRL_DEV", description="Local-dev mode: placeholder token allowed, loopback only."
+    )
+    host: str = Field(
+        "127.0.0.1", validation_alias="BURSTRL_HOST", description="Bind address of the service's HTTP server."
+    )
+    port: int = Field(
+        0, validation_alias="BURSTRL_PORT", ge=0, le=65535, description="HTTP port; 0 uses the role's default."
+    )
     replica: str = Field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
         validation_alias="BURSTRL_REPLICA",
         description="Replica id shown in the service registry.",
     )
-    data_dir: Path = Field(Path(".burstrl"), validation_alias="BURSTRL_DATA_DIR", description="Local scratch (adapter cache, logs).")
-    heartbeat_s: float = Field(2.0, validation_alias="BURSTRL_HEARTBEAT_S", gt=0, description="Heartbeat period into Redis.")
+    data_dir: Path = Field(
+        Path(".burstrl"), validation_alias="BURSTRL_DATA_DIR", description="Local scratch (adapter cache, logs)."
+    )
+    heartbeat_s: float = Field(
+        2.0, validation_alias="BURSTRL_HEARTBEAT_S", gt=0, description="Heartbeat period into Redis."
+    )
 
     @model_validator(mode="after")
     def _token_required_outside_dev(self) -> Self:

@@ -70,9 +70,7 @@ class FileStore:
         if not base.exists():
             return []
         return sorted(
-            str(p.relative_to(self.root))
-            for p in base.rglob("*")
-            if p.is_file() and not p.name.startswith(".tmp-")
+            str(p.relative_to(self.root)) for p in base.rglob("*") if p.is_file() and not p.name.startswith(".tmp-")
         )
 
     def delete(self, key: str) -> None:
@@ -121,9 +119,7 @@ class S3Store:
     def list(self, prefix: str) -> list[str]:
         out: list[str] = []
         strip = len(self.prefix) + 1 if self.prefix else 0
-        pages = self.s3.get_paginator("list_objects_v2").paginate(
-            Bucket=self.bucket, Prefix=self._k(prefix)
-        )
+        pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._k(prefix))
         for page in pages:
             out.extend(o["Key"][strip:] for o in page.get("Contents", []))
         return sorted(out)

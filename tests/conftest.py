@@ -44,9 +44,27 @@ class RedisServer:
         exe = shutil.which("redis-server")
         assert exe, "redis-server must be installed (make install does it)"
         self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir), "--appendonly", "yes",
-             "--appendfsync", "everysec", "--maxmemory-policy", self.policy, "--save", ""],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            [
+                exe,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.dir),
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+                "--maxmemory-policy",
+                self.policy,
+                "--save",
+                "",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         _wait_port(self.port, self.proc, "redis-server")
 
     def kill(self) -> None:
@@ -79,12 +97,22 @@ def r(redis_server: RedisServer) -> Iterator[redis.Redis]:
 def s3_endpoint() -> Iterator[str]:
     """moto's standalone S3 server on loopback; a real HTTP S3 protocol peer."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     _wait_port(port, proc, "moto S3 server")
     endpoint = f"http://127.0.0.1:{port}"
-    os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_REGION": "us-east-1", "STORE_ENDPOINT_URL": endpoint})
+    os.environ.update(
+        {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_REGION": "us-east-1",
+            "STORE_ENDPOINT_URL": endpoint,
+        }
+    )
     yield endpoint
     terminate(proc.pid, 5)
 

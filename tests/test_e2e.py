@@ -22,8 +22,16 @@ from tests.conftest import RedisServer, make_bucket
 
 ROLES = ["api", "reward", "ref", "rollout", "trainer"]
 JOB = {
-    "name": "e2e", "task": "arith", "group_size": 16, "batch_size": 8, "steps": 10, "learning_rate": 2e-3,
-    "kl_coef": 0.001, "max_staleness": 1, "eval_size": 64, "sampling": {"temperature": 1.0, "max_tokens": 6},
+    "name": "e2e",
+    "task": "arith",
+    "group_size": 16,
+    "batch_size": 8,
+    "steps": 10,
+    "learning_rate": 2e-3,
+    "kl_coef": 0.001,
+    "max_staleness": 1,
+    "eval_size": 64,
+    "sampling": {"temperature": 1.0, "max_tokens": 6},
 }
 
 
@@ -77,15 +85,25 @@ def test_grpo_loop_survives_kills_and_learns(tmp_path, tiny_model, s3_endpoint):
 
         # kill -9 Redis: services report not-ready with the reason, then recover.
         srv.kill()
-        code, body = _wait(lambda: (lambda c: c if c[0] == 503 else None)(_ready(ports["rollout"])), 60,
-                           "rollout not-ready", launcher)
+        code, body = _wait(
+            lambda: (lambda c: c if c[0] == 503 else None)(_ready(ports["rollout"])), 60, "rollout not-ready", launcher
+        )
         assert "redis" in body["checks"] and not body["checks"]["redis"]["ok"]
         srv.start()
         _wait(lambda: all(_ready(p)[0] == 200 for p in ports.values()), 120, "recovery", launcher)
 
-        final = _wait(lambda: (lambda s: s if s["job"]["state"] == "completed" and s["evals"]
-                               and s["evals"][-1]["version"] == JOB["steps"] else None)(status()),
-                      600, "job completion and final eval", launcher)
+        final = _wait(
+            lambda: (
+                lambda s: (
+                    s
+                    if s["job"]["state"] == "completed" and s["evals"] and s["evals"][-1]["version"] == JOB["steps"]
+                    else None
+                )
+            )(status()),
+            600,
+            "job completion and final eval",
+            launcher,
+        )
         points = httpx.get(f"{api}/v1/jobs/{job_id}/metrics", params={"source": "trainer"}, timeout=10).json()
         client = srv.client()
         sampled_by = {decode(f[b"m"], GroupMsg).policy_version for _, f in client.xrange(keys.ready(job_id))}

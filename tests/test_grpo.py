@@ -30,8 +30,9 @@ def test_k3_is_nonnegative_and_zero_at_equality():
 def test_policy_gradient_raises_logp_of_positive_advantage():
     logp = torch.tensor([[-1.0, -1.0], [-1.0, -1.0]], requires_grad=True)
     mask = torch.ones(2, 2)
-    loss, stats = policy_loss(logp, logp.detach(), torch.tensor([1.0, -1.0]), mask,
-                              clip_low=0.2, clip_high=0.28, tis_cap=2.0)
+    loss, stats = policy_loss(
+        logp, logp.detach(), torch.tensor([1.0, -1.0]), mask, clip_low=0.2, clip_high=0.28, tis_cap=2.0
+    )
     loss.backward()
     assert torch.all(logp.grad[0] < 0) and torch.all(logp.grad[1] > 0)  # descent raises row 0
     assert stats["mismatch_kl"] == 0.0 and stats["clip_frac"] == 0.0
@@ -40,8 +41,9 @@ def test_policy_gradient_raises_logp_of_positive_advantage():
 def test_clip_stops_gradient_beyond_clip_high_for_positive_advantage():
     sampler = torch.zeros(1, 1)
     logp = torch.tensor([[0.5]], requires_grad=True)  # ratio e^0.5 > 1.28
-    loss, stats = policy_loss(logp, sampler, torch.tensor([1.0]), torch.ones(1, 1),
-                              clip_low=0.2, clip_high=0.28, tis_cap=10.0)
+    loss, stats = policy_loss(
+        logp, sampler, torch.tensor([1.0]), torch.ones(1, 1), clip_low=0.2, clip_high=0.28, tis_cap=10.0
+    )
     loss.backward()
     assert logp.grad.abs().item() == 0.0 and stats["clip_frac"] == 1.0
 

@@ -79,17 +79,14 @@ def test_resolve_reads_config_path_and_local_hf_cache(tmp_path: Path) -> None:
 def test_card_specs_and_user_catalog(tmp_path: Path) -> None:
     cat = Catalog()
     assert normalize_name("A100 80GB") == "a100-80"
-    assert [
-        (c.name, n)
-        for c, n in (
-            parse_card_spec(s, cat) for s in ["rtx4090", "mi50-32:3", "2xh100"]
-        )
-    ] == [("rtx4090", 1), ("mi50-32", 3), ("h100", 2)]
+    assert [(c.name, n) for c, n in (parse_card_spec(s, cat) for s in ["rtx4090", "mi50-32:3", "2xh100"])] == [
+        ("rtx4090", 1),
+        ("mi50-32", 3),
+        ("h100", 2),
+    ]
     assert cat.get("mi50-16").train_dtype == "fp16"  # gfx906 has no bf16
     extra = tmp_path / "cards.toml"
-    extra.write_text(
-        "[cards.rtx3090]\nmemory_gb = 24\nbf16_tflops = 71\nbandwidth_gbs = 936\n"
-    )
+    extra.write_text("[cards.rtx3090]\nmemory_gb = 24\nbf16_tflops = 71\nbandwidth_gbs = 936\n")
     cat = cat.extend_from_file(extra)
     assert cat.get("RTX 3090").fp16_tflops == 71
     with pytest.raises(KeyError, match="unknown card"):
@@ -118,9 +115,7 @@ def test_every_memory_saver_lowers_the_peak() -> None:
     base = TrainerSettings(micro_batch=4)
 
     def peak(method: Method, **update: object) -> float:
-        return trainer_memory(
-            shape, method, W, base.model_copy(update=update)
-        ).peak_bytes
+        return trainer_memory(shape, method, W, base.model_copy(update=update)).peak_bytes
 
     assert peak(lora, grad_checkpointing=True) < peak(lora)
     assert peak(lora, logits_chunk=512) < peak(lora)
@@ -140,9 +135,7 @@ def test_largest_micro_batch_is_the_boundary() -> None:
 def test_rollout_quantized_weights_and_prefix_sharing() -> None:
     shape = resolve_shape("Qwen2.5-7B")
     ratio = serve_weight_bytes(shape, "awq") / serve_weight_bytes(shape, "bf16")
-    assert (
-        0.25 < ratio < 0.4
-    )  # linears at ~4.2 bits, embeddings and lm_head stay 16-bit
+    assert 0.25 < ratio < 0.4  # linears at ~4.2 bits, embeddings and lm_head stay 16-bit
     shared_kv = kv_bytes_per_group(shape, W, ServeSettings())
     assert shared_kv < kv_bytes_per_group(shape, W, ServeSettings(prefix_caching=False))
     mem = rollout_memory(shape, W, ServeSettings(), 141 * GB)
@@ -170,17 +163,12 @@ def test_plan_places_roles_and_reports_what_does_not_fit() -> None:
         ref=False,
     )
     assert dis.fits and dis.roles[0].card == "h200" and dis.step_time_s > 0
-    big = plan(
-        resolve_shape("Qwen2.5-7B"), Method(kind="full"), W, [(cat.get("rtx4070"), 1)]
-    )
+    big = plan(resolve_shape("Qwen2.5-7B"), Method(kind="full"), W, [(cat.get("rtx4070"), 1)])
     assert not big.fits and big.roles[0].min_peak_gb > 12
 
 
 def test_cli_json_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    assert (
-        main(["--model", "Qwen2.5-0.5B", "--cards", "rtx4090", "mi50-16:2", "--json"])
-        == 0
-    )
+    assert main(["--model", "Qwen2.5-0.5B", "--cards", "rtx4090", "mi50-16:2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] and out["roles"][0]["role"] == "trainer"
     assert main(["--cards", "tpu-v5"]) == 2
@@ -195,9 +183,7 @@ def test_shared_plan_never_imports_torch() -> None:
 
 
 def _calibration_module():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location(
-        "plan_calibration", REPO / "bench" / "plan_calibration.py"
-    )
+    spec = importlib.util.spec_from_file_location("plan_calibration", REPO / "bench" / "plan_calibration.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

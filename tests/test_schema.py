@@ -6,10 +6,22 @@ from shared.schema import Completion, GroupMsg, PromptMsg, decode, encode, pack_
 
 
 def _group() -> GroupMsg:
-    c = Completion(token_ids=pack_i32([5, 6, 0]), logprobs=pack_f32([-0.5, -1.25, -0.1]),
-                   loss_mask=bytes([1, 1, 1]), text="12", finish_reason="stop")
-    return GroupMsg(job_id="j", group_id="j:g0", item_id="1+2", prompt="1+2=", prompt_ids=pack_i32([1, 2]),
-                    policy_version=3, completions=[c])
+    c = Completion(
+        token_ids=pack_i32([5, 6, 0]),
+        logprobs=pack_f32([-0.5, -1.25, -0.1]),
+        loss_mask=bytes([1, 1, 1]),
+        text="12",
+        finish_reason="stop",
+    )
+    return GroupMsg(
+        job_id="j",
+        group_id="j:g0",
+        item_id="1+2",
+        prompt="1+2=",
+        prompt_ids=pack_i32([1, 2]),
+        policy_version=3,
+        completions=[c],
+    )
 
 
 def test_group_roundtrip_keeps_packed_arrays_exact():

@@ -53,8 +53,14 @@ class Feeder:
             it = self._items(rec, fed)
             pipe = self.r.pipeline(transaction=True)
             for n, item in enumerate(itertools.islice(it, room)):
-                msg = PromptMsg(job_id=rec.id, group_id=f"{rec.id}:g{fed + n}", item_id=item.item_id,
-                                prompt=item.prompt, fields=item.fields, fed_at=time.time())
+                msg = PromptMsg(
+                    job_id=rec.id,
+                    group_id=f"{rec.id}:g{fed + n}",
+                    item_id=item.item_id,
+                    prompt=item.prompt,
+                    fields=item.fields,
+                    fed_at=time.time(),
+                )
                 pipe.xadd(keys.prompts(rec.id), {FIELD: encode(msg)})
             pipe.hincrby(keys.ledger(rec.id), "fed", room)
             pipe.execute()

@@ -24,8 +24,9 @@ class BadTransition(ValueError):
 
 def create_job(r: redis.Redis, *, spec: JobSpec) -> JobRecord:
     now = time.time()
-    rec = JobRecord(id=f"{spec.name}-{secrets.token_hex(3)}", spec=spec, state=JobState.running,
-                    created_at=now, updated_at=now)
+    rec = JobRecord(
+        id=f"{spec.name}-{secrets.token_hex(3)}", spec=spec, state=JobState.running, created_at=now, updated_at=now
+    )
     Bus.ensure_groups(r, rec.id)
     pipe = r.pipeline(transaction=True)
     pipe.hset(keys.jobs_index(), rec.id, rec.model_dump_json())

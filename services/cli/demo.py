@@ -18,8 +18,16 @@ from services.cli.model import ensure_tiny_model
 from services.cli.stack import start_stack
 
 DEMO_JOB = {
-    "name": "demo", "task": "arith", "group_size": 16, "batch_size": 8, "learning_rate": 1e-3,
-    "lora_rank": 16, "lora_alpha": 32, "kl_coef": 0.001, "max_staleness": 1, "eval_size": 64,
+    "name": "demo",
+    "task": "arith",
+    "group_size": 16,
+    "batch_size": 8,
+    "learning_rate": 1e-3,
+    "lora_rank": 16,
+    "lora_alpha": 32,
+    "kl_coef": 0.001,
+    "max_staleness": 1,
+    "eval_size": 64,
     "sampling": {"temperature": 1.0, "max_tokens": 6},
 }
 
@@ -36,17 +44,21 @@ def run_demo(home: Path, *, steps: int, keep_running: bool, console: Console) ->
         job_id = httpx.post(f"{api}/v1/jobs", json=spec, timeout=30).raise_for_status().json()["id"]
         console.print(f"submitted job [bold]{job_id}[/]")
         status = follow_job(api, job_id, {}, console)
-        status["trainer_points"] = httpx.get(f"{api}/v1/jobs/{job_id}/metrics", params={"source": "trainer"}, timeout=30).json()
+        status["trainer_points"] = httpx.get(
+            f"{api}/v1/jobs/{job_id}/metrics", params={"source": "trainer"}, timeout=30
+        ).json()
         print_summary(status, console)
         evals = status["evals"]
         png = plot(status, home / "demo.png")
         console.print(f"plot: {png}")
         if len(evals) >= 2:
             first, last = evals[0], evals[-1]
-            console.print(f"[bold]held-out accuracy: v{first['version']} {first['accuracy']:.3f} -> "
-                          f"v{last['version']} {last['accuracy']:.3f} "
-                          f"({100 * (last['accuracy'] - first['accuracy']):+.1f} points); greedy "
-                          f"{first['greedy_accuracy']:.3f} -> {last['greedy_accuracy']:.3f}[/]")
+            console.print(
+                f"[bold]held-out accuracy: v{first['version']} {first['accuracy']:.3f} -> "
+                f"v{last['version']} {last['accuracy']:.3f} "
+                f"({100 * (last['accuracy'] - first['accuracy']):+.1f} points); greedy "
+                f"{first['greedy_accuracy']:.3f} -> {last['greedy_accuracy']:.3f}[/]"
+            )
         console.print(f"demo wall time: {time.time() - t0:.0f}s")
         return 0 if status["job"]["state"] == "completed" else 1
     finally:

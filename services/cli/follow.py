@@ -11,11 +11,20 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 
-def follow_job(api: str, job_id: str, headers: dict[str, str], console: Console, timeout: float = 3600) -> dict[str, Any]:
+def follow_job(
+    api: str, job_id: str, headers: dict[str, str], console: Console, timeout: float = 3600
+) -> dict[str, Any]:
     """Poll the job until it is completed and its final version evaluated (or it fails)."""
     deadline = time.time() + timeout
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
-                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(), console=console) as bar:
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} steps"),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    ) as bar:
         status = httpx.get(f"{api}/v1/jobs/{job_id}", headers=headers, timeout=10).json()
         task = bar.add_task(job_id, total=status["job"]["spec"]["steps"], info="")
         while time.time() < deadline:
@@ -27,8 +36,11 @@ def follow_job(api: str, job_id: str, headers: dict[str, str], console: Console,
                 continue
             last, evals = status.get("last_step") or {}, status["evals"]
             acc = f"held-out acc v{evals[-1]['version']} {evals[-1]['accuracy']:.2f}" if evals else "held-out acc -"
-            bar.update(task, completed=status["policy_version"],
-                       info=f"reward {last.get('reward_mean', 0):.2f}  {acc}  in-flight {status['ledger'].get('in_flight', 0)}")
+            bar.update(
+                task,
+                completed=status["policy_version"],
+                info=f"reward {last.get('reward_mean', 0):.2f}  {acc}  in-flight {status['ledger'].get('in_flight', 0)}",
+            )
             state = status["job"]["state"]
             final_eval = any(e["version"] == status["policy_version"] for e in evals)
             if state in ("cancelled", "failed") or (state == "completed" and final_eval):
@@ -47,8 +59,12 @@ def print_summary(status: dict[str, Any], console: Console) -> None:
         t.add_column(col, justify="right")
     for v in sorted(set(evals) | set(steps)):
         e, s = evals.get(v, {}), steps.get(v, {})
-        t.add_row(str(v), f"{s['reward_mean']:.3f}" if s else "", f"{e['accuracy']:.3f}" if e else "",
-                  f"{e['greedy_accuracy']:.3f}" if e else "")
+        t.add_row(
+            str(v),
+            f"{s['reward_mean']:.3f}" if s else "",
+            f"{e['accuracy']:.3f}" if e else "",
+            f"{e['greedy_accuracy']:.3f}" if e else "",
+        )
     console.print(t)
     led = status["ledger"]
     console.print("ledger: " + ", ".join(f"{k}={v}" for k, v in sorted(led.items())))
@@ -59,6 +75,11 @@ def print_services(services: list[dict[str, Any]], console: Console) -> None:
     for col in ("role", "replica", "ready", "age s", "reasons"):
         t.add_column(col)
     for s in services:
-        t.add_row(s["role"], s["replica"], "[green]yes" if s["ready"] else "[red]no", str(s["age_s"]),
-                  "; ".join(f"{k}: {v}" for k, v in s.get("reasons", {}).items()))
+        t.add_row(
+            s["role"],
+            s["replica"],
+            "[green]yes" if s["ready"] else "[red]no",
+            str(s["age_s"]),
+            "; ".join(f"{k}: {v}" for k, v in s.get("reasons", {}).items()),
+        )
     console.print(t)

@@ -60,7 +60,9 @@ class Launcher:
         return {k: Proc(k, v["pid"], v["port"], Path(v["log"])) for k, v in raw.items()}
 
     def _save(self, procs: dict[str, Proc]) -> None:
-        self.state_file.write_text(json.dumps({k: {"pid": p.pid, "port": p.port, "log": str(p.log)} for k, p in procs.items()}))
+        self.state_file.write_text(
+            json.dumps({k: {"pid": p.pid, "port": p.port, "log": str(p.log)} for k, p in procs.items()})
+        )
 
     def _record(self, p: Proc) -> None:
         procs = self.procs()
@@ -84,8 +86,25 @@ class Launcher:
         port = port or free_port()
         data = self.run_dir / "redis"
         data.mkdir(exist_ok=True)
-        cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data), "--appendonly", "yes",
-               "--appendfsync", "everysec", "--maxmemory-policy", "noeviction", "--save", "", "--daemonize", "no"]
+        cmd = [
+            exe,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(data),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "everysec",
+            "--maxmemory-policy",
+            "noeviction",
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+        ]
         self._spawn("redis", cmd, dict(os.environ), port)
         deadline = time.time() + 15
         while not port_open(port):

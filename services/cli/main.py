@@ -26,8 +26,9 @@ def _headers() -> dict[str, str]:
 
 
 @app.command("init-model")
-def init_model(out: Annotated[Path, typer.Option(help="Where to write the SFT-warm-started model.")] = TINY,
-               force: bool = False) -> None:
+def init_model(
+    out: Annotated[Path, typer.Option(help="Where to write the SFT-warm-started model.")] = TINY, force: bool = False
+) -> None:
     """Build the tiny offline model (tokenizer + Qwen2) and warm-start it with TRL SFT."""
     from services.cli.model import ensure_tiny_model
 
@@ -36,8 +37,10 @@ def init_model(out: Annotated[Path, typer.Option(help="Where to write the SFT-wa
 
 
 @app.command()
-def up(model: Annotated[Path, typer.Option(help="Base model for rollout/ref.")] = TINY,
-       roles: Annotated[str, typer.Option(help="Comma-separated roles to start.")] = "api,reward,ref,rollout,trainer") -> None:
+def up(
+    model: Annotated[Path, typer.Option(help="Base model for rollout/ref.")] = TINY,
+    roles: Annotated[str, typer.Option(help="Comma-separated roles to start.")] = "api,reward,ref,rollout,trainer",
+) -> None:
     """Start Redis (unless REDIS_URL is set) and the services as local processes."""
     from services.cli.stack import start_stack
 
@@ -54,8 +57,11 @@ def down() -> None:
 
 
 @app.command()
-def submit(job: Annotated[Path, typer.Argument(help="Job TOML file (fields of JobSpec).")],
-           follow: bool = False, api: str | None = None) -> None:
+def submit(
+    job: Annotated[Path, typer.Argument(help="Job TOML file (fields of JobSpec).")],
+    follow: bool = False,
+    api: str | None = None,
+) -> None:
     """Submit a job over HTTP; --follow shows its progress until it finishes."""
     import httpx
 

@@ -50,11 +50,13 @@ def main() -> None:
             bus.dead_letter(e, f"undecodable group: {err}")
             return
         try:
-            lps = scorer.score(unpack_i32(g.prompt_ids).tolist(), [unpack_i32(c.token_ids).tolist() for c in g.completions])
+            lps = scorer.score(
+                unpack_i32(g.prompt_ids).tolist(), [unpack_i32(c.token_ids).tolist() for c in g.completions]
+            )
         except ValueError as err:  # too long for the reference: rejected per group, not a crash
             bus.dead_letter(e, str(err))
             return
-        for c, lp in zip(g.completions, lps):
+        for c, lp in zip(g.completions, lps, strict=True):
             c.ref_logprobs = pack_f32(lp)
         g.stage = "ready"
         bus.forward([e], [(keys.ready(e.job_id), encode(g))], {e.job_id: {"refd": 1}})

@@ -16,9 +16,14 @@ def main() -> None:
     from services.rollout.engine import InProcessEngine
     from services.rollout.worker import RolloutWorker
 
-    engine = InProcessEngine(model=settings.model, max_model_len=settings.max_model_len,
-                             max_lora_rank=settings.max_lora_rank, max_loras=settings.max_loras,
-                             dtype=settings.dtype, seed=settings.seed)
+    engine = InProcessEngine(
+        model=settings.model,
+        max_model_len=settings.max_model_len,
+        max_lora_rank=settings.max_lora_rank,
+        max_loras=settings.max_loras,
+        dtype=settings.dtype,
+        seed=settings.seed,
+    )
     rt.health.set("engine", True)
     rt.preflight()
     worker = RolloutWorker(rt, settings, engine, open_store(settings.store_url))

@@ -37,17 +37,26 @@ class Generation:
 
 
 class InProcessEngine:
-    def __init__(self, *, model: str, max_model_len: int, max_lora_rank: int, max_loras: int,
-                 dtype: str, seed: int) -> None:
+    def __init__(
+        self, *, model: str, max_model_len: int, max_lora_rank: int, max_loras: int, dtype: str, seed: int
+    ) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the CPU backend's default is 4
         from vllm import LLM
 
         self.model = model
-        self.llm = LLM(model=model, enable_lora=True, max_lora_rank=max_lora_rank, max_loras=max_loras,
-                       max_model_len=max_model_len, dtype=dtype, seed=seed, enforce_eager=True,
-                       # Log-probs of the distribution actually sampled from (after temperature
-                       # and top-p); the default raw mode reports temperature-1 values.
-                       logprobs_mode="processed_logprobs")
+        self.llm = LLM(
+            model=model,
+            enable_lora=True,
+            max_lora_rank=max_lora_rank,
+            max_loras=max_loras,
+            max_model_len=max_model_len,
+            dtype=dtype,
+            seed=seed,
+            enforce_eager=True,
+            # Log-probs of the distribution actually sampled from (after temperature
+            # and top-p); the default raw mode reports temperature-1 values.
+            logprobs_mode="processed_logprobs",
+        )
         self._ids = itertools.count(1)
 
     def new_adapter(self, name: str, path: str) -> Adapter:
@@ -59,15 +68,24 @@ class InProcessEngine:
         except Exception as e:  # not loaded yet (never used) is fine
             log.debug("remove_lora(%s): %s", adapter.name, e)
 
-    def generate(self, prompts: list[str], adapters: list[Adapter | None], *, n: int,
-                 temperature: float, top_p: float, max_tokens: int) -> list[Generation]:
+    def generate(
+        self,
+        prompts: list[str],
+        adapters: list[Adapter | None],
+        *,
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_tokens: int,
+    ) -> list[Generation]:
         from vllm import SamplingParams
         from vllm.lora.request import LoRARequest
 
         # logprobs=0: just the sampled token's log-prob (of the processed distribution,
         # see the engine's logprobs_mode above).
-        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                logprobs=0 if temperature > 0 else None)
+        params = SamplingParams(
+            n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0 if temperature > 0 else None
+        )
         loras = [LoRARequest(a.name, a.lora_id, a.path) if a else None for a in adapters]
         outs = self.llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
         result = []
@@ -80,7 +98,9 @@ class InProcessEngine:
                 # A sampled token may be absent from a top-0 dict only if vLLM changes
                 # semantics; look it up by id to be sure we record the sampled one.
                 if c.logprobs:
-                    lps = [d[t].logprob if t in d else lp for d, t, lp in zip(c.logprobs, c.token_ids, lps)]
+                    lps = [
+                        d[t].logprob if t in d else lp for d, t, lp in zip(c.logprobs, c.token_ids, lps, strict=True)
+                    ]
                 samples.append(Sample(list(c.token_ids), lps, c.text, c.finish_reason or "stop"))
             result.append(Generation(list(o.prompt_token_ids or []), samples))
         return result

@@ -42,8 +42,9 @@ class JobView:
 
 
 class RolloutWorker:
-    def __init__(self, rt: ServiceRuntime, settings: RolloutSettings, engine: InProcessEngine,
-                 store: ObjectStore) -> None:
+    def __init__(
+        self, rt: ServiceRuntime, settings: RolloutSettings, engine: InProcessEngine, store: ObjectStore
+    ) -> None:
         self.rt, self.s, self.engine, self.store = rt, settings, engine, store
         self.bus = Bus(rt.redis, keys.GROUP_ROLLOUT, settings.replica)
         self.jobs: dict[str, JobView] = {}
@@ -109,22 +110,46 @@ class RolloutWorker:
             items = task.heldout_items(spec.eval_size)
             prompts = [it.prompt for it in items]
             t0 = time.time()
-            sampled = self.engine.generate(prompts, [view.adapter] * len(items), n=self.s.eval_samples,
-                                           temperature=spec.sampling.temperature, top_p=spec.sampling.top_p,
-                                           max_tokens=spec.sampling.max_tokens)
-            greedy = self.engine.generate(prompts, [view.adapter] * len(items), n=1, temperature=0.0,
-                                          top_p=1.0, max_tokens=spec.sampling.max_tokens)
-            rewards = [sum(task.score(s.text, it.fields).values()) for g, it in zip(sampled, items) for s in g.samples]
-            greedy_ok = [sum(task.score(g.samples[0].text, it.fields).values()) for g, it in zip(greedy, items)]
+            sampled = self.engine.generate(
+                prompts,
+                [view.adapter] * len(items),
+                n=self.s.eval_samples,
+                temperature=spec.sampling.temperature,
+                top_p=spec.sampling.top_p,
+                max_tokens=spec.sampling.max_tokens,
+            )
+            greedy = self.engine.generate(
+                prompts,
+                [view.adapter] * len(items),
+                n=1,
+                temperature=0.0,
+                top_p=1.0,
+                max_tokens=spec.sampling.max_tokens,
+            )
+            rewards = [
+                sum(task.score(s.text, it.fields).values())
+                for g, it in zip(sampled, items, strict=True)
+                for s in g.samples
+            ]
+            greedy_ok = [
+                sum(task.score(g.samples[0].text, it.fields).values()) for g, it in zip(greedy, items, strict=True)
+            ]
             result = {
                 "accuracy": sum(x >= 1.0 for x in rewards) / len(rewards),
                 "mean_reward": sum(rewards) / len(rewards),
                 "greedy_accuracy": sum(x >= 1.0 for x in greedy_ok) / len(greedy_ok),
-                "n_prompts": len(items), "samples_per_prompt": self.s.eval_samples,
+                "n_prompts": len(items),
+                "samples_per_prompt": self.s.eval_samples,
                 "seconds": round(time.time() - t0, 2),
             }
             record_eval(r, view.rec.id, v, result)
-            log.info("job %s v%d held-out: acc %.3f greedy %.3f", view.rec.id, v, result["accuracy"], result["greedy_accuracy"])
+            log.info(
+                "job %s v%d held-out: acc %.3f greedy %.3f",
+                view.rec.id,
+                v,
+                result["accuracy"],
+                result["greedy_accuracy"],
+            )
 
     # -- generation ------------------------------------------------------------------
     def generate_once(self) -> int:
@@ -148,20 +173,40 @@ class RolloutWorker:
         by_cfg: dict[tuple, list[tuple[Entry, PromptMsg, JobView]]] = {}
         for t in todo:
             sp = t[2].rec.spec
-            by_cfg.setdefault((sp.group_size, sp.sampling.temperature, sp.sampling.top_p, sp.sampling.max_tokens), []).append(t)
+            by_cfg.setdefault(
+                (sp.group_size, sp.sampling.temperature, sp.sampling.top_p, sp.sampling.max_tokens), []
+            ).append(t)
         produced = 0
         for (n, temp, top_p, max_tokens), batch in by_cfg.items():
-            gens = self.engine.generate([m.prompt for _, m, _ in batch], [v.adapter for _, _, v in batch],
-                                        n=n, temperature=temp, top_p=top_p, max_tokens=max_tokens)
+            gens = self.engine.generate(
+                [m.prompt for _, m, _ in batch],
+                [v.adapter for _, _, v in batch],
+                n=n,
+                temperature=temp,
+                top_p=top_p,
+                max_tokens=max_tokens,
+            )
             now = time.time()
-            for (e, msg, view), gen in zip(batch, gens):
+            for (e, msg, view), gen in zip(batch, gens, strict=True):
                 group = GroupMsg(
-                    job_id=msg.job_id, group_id=msg.group_id, item_id=msg.item_id, prompt=msg.prompt,
-                    prompt_ids=pack_i32(gen.prompt_ids), fields=msg.fields, policy_version=view.version,
+                    job_id=msg.job_id,
+                    group_id=msg.group_id,
+                    item_id=msg.item_id,
+                    prompt=msg.prompt,
+                    prompt_ids=pack_i32(gen.prompt_ids),
+                    fields=msg.fields,
+                    policy_version=view.version,
                     sampled_at=now,
-                    completions=[Completion(token_ids=pack_i32(s.token_ids), logprobs=pack_f32(s.logprobs),
-                                            loss_mask=pack_u8([1] * len(s.token_ids)), text=s.text,
-                                            finish_reason=s.finish_reason) for s in gen.samples],
+                    completions=[
+                        Completion(
+                            token_ids=pack_i32(s.token_ids),
+                            logprobs=pack_f32(s.logprobs),
+                            loss_mask=pack_u8([1] * len(s.token_ids)),
+                            text=s.text,
+                            finish_reason=s.finish_reason,
+                        )
+                        for s in gen.samples
+                    ],
                 )
                 self.bus.forward([e], [(keys.rollouts(msg.job_id), encode(group))], {msg.job_id: {"produced": 1}})
                 self.m_tokens.inc(sum(len(s.token_ids) for s in gen.samples))
@@ -176,4 +221,6 @@ class RolloutWorker:
         produced = self.generate_once()
         if produced:
             for job_id in {j for j in self.jobs}:
-                record_point(self.rt.redis, job_id, "rollout", {"groups": produced, "seconds": round(time.time() - t0, 3)})
+                record_point(
+                    self.rt.redis, job_id, "rollout", {"groups": produced, "seconds": round(time.time() - t0, 3)}
+                )

@@ -34,8 +34,15 @@ def collate(groups: list[GroupMsg], pad_id: int) -> Batch:
     for g in groups:
         p = unpack_i32(g.prompt_ids).tolist()
         for c in g.completions:
-            rows.append((p, unpack_i32(c.token_ids).tolist(), unpack_f32(c.logprobs), unpack_u8(c.loss_mask),
-                         unpack_f32(c.ref_logprobs) if c.ref_logprobs else None))
+            rows.append(
+                (
+                    p,
+                    unpack_i32(c.token_ids).tolist(),
+                    unpack_f32(c.logprobs),
+                    unpack_u8(c.loss_mask),
+                    unpack_f32(c.ref_logprobs) if c.ref_logprobs else None,
+                )
+            )
     n, L = len(rows), max(len(p) + len(t) for p, t, *_ in rows)
     ids = torch.full((n, L), pad_id, dtype=torch.long)
     attn = torch.zeros((n, L), dtype=torch.long)

@@ -56,14 +56,16 @@ def optimizer_from_tensors(opt: torch.optim.Optimizer, tensors: dict[str, torch.
     opt.load_state_dict({"state": state, "param_groups": groups})
 
 
-def save_checkpoint(store: ObjectStore, job_id: str, state: TrainState, adapter: dict[str, bytes],
-                    opt: torch.optim.Optimizer) -> str:
+def save_checkpoint(
+    store: ObjectStore, job_id: str, state: TrainState, adapter: dict[str, bytes], opt: torch.optim.Optimizer
+) -> str:
     tensors, groups = optimizer_to_tensors(opt)
     tensors["rng.torch"] = torch.get_rng_state()
     files = dict(adapter)
     files["optimizer.safetensors"] = save(tensors)
-    files["state.json"] = json.dumps({"step": state.step, "trained_groups": state.trained_groups,
-                                      "extra": state.extra, "param_groups": groups}).encode()
+    files["state.json"] = json.dumps(
+        {"step": state.step, "trained_groups": state.trained_groups, "extra": state.extra, "param_groups": groups}
+    ).encode()
     prefix = ckpt_prefix(job_id, state.step)
     for name, data in files.items():
         store.put(f"{prefix}/{name}", data)
@@ -77,7 +79,9 @@ def latest_checkpoint(store: ObjectStore, job_id: str) -> int | None:
     return max(steps) if steps else None
 
 
-def load_checkpoint(store: ObjectStore, job_id: str, step: int) -> tuple[TrainState, dict[str, bytes], dict[str, torch.Tensor], list[dict]]:
+def load_checkpoint(
+    store: ObjectStore, job_id: str, step: int
+) -> tuple[TrainState, dict[str, bytes], dict[str, torch.Tensor], list[dict]]:
     """Verified files of a checkpoint: state, adapter files, optimizer tensors, param groups."""
     prefix = ckpt_prefix(job_id, step)
     manifest = json.loads(store.get(f"{prefix}/{MANIFEST}"))

@@ -47,8 +47,9 @@ class JobTrainer:
         self.bus = Bus(self.r, keys.GROUP_TRAINER, CONSUMER)
         spec = rec.spec
         self.device = settings.device if settings.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        self.model, self.tok = load_policy(spec.base_model, rank=spec.lora_rank, alpha=spec.lora_alpha,
-                                           device=self.device, seed=spec.seed)
+        self.model, self.tok = load_policy(
+            spec.base_model, rank=spec.lora_rank, alpha=spec.lora_alpha, device=self.device, seed=spec.seed
+        )
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=spec.learning_rate, weight_decay=0.0)
         self.state = TrainState()
@@ -134,10 +135,17 @@ class JobTrainer:
         logits = self.model(input_ids=b.input_ids.to(dev), attention_mask=b.attention_mask.to(dev)).logits[:, :-1]
         logp = token_logprobs(logits, b.input_ids[:, 1:].to(dev))  # [N, L-1]
         adv = group_advantages(b.rewards).reshape(-1).to(dev)  # [N]
-        loss, stats = policy_loss(logp, b.sampler_logp.to(dev), adv, b.mask.to(dev), clip_low=spec.clip_low,
-                                  clip_high=spec.clip_high, tis_cap=spec.tis_cap,
-                                  ref_logp=b.ref_logp.to(dev) if b.ref_logp is not None else None,
-                                  kl_coef=spec.kl_coef)
+        loss, stats = policy_loss(
+            logp,
+            b.sampler_logp.to(dev),
+            adv,
+            b.mask.to(dev),
+            clip_low=spec.clip_low,
+            clip_high=spec.clip_high,
+            tis_cap=spec.tis_cap,
+            ref_logp=b.ref_logp.to(dev) if b.ref_logp is not None else None,
+            kl_coef=spec.kl_coef,
+        )
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.opt.param_groups[0]["params"], self.s.grad_clip))
@@ -154,19 +162,44 @@ class JobTrainer:
         self._advance_pointer()
         t_pub = time.time() - t0 - t_train
         staleness = [self.state.step - 1 - v for v in b.versions]
-        point = {"step": self.state.step, "loss": float(loss.detach()), "reward_mean": float(b.rewards.mean()),
-                 "grad_norm": grad_norm, "groups": len(groups), "tokens": b.tokens,
-                 "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
-                 "wait_s": round(wait_s, 3), "train_s": round(t_train, 3), "publish_s": round(t_pub, 3), **stats}
+        point = {
+            "step": self.state.step,
+            "loss": float(loss.detach()),
+            "reward_mean": float(b.rewards.mean()),
+            "grad_norm": grad_norm,
+            "groups": len(groups),
+            "tokens": b.tokens,
+            "staleness_mean": sum(staleness) / len(staleness),
+            "staleness_max": max(staleness),
+            "wait_s": round(wait_s, 3),
+            "train_s": round(t_train, 3),
+            "publish_s": round(t_pub, 3),
+            **stats,
+        }
         record_point(self.r, self.rec.id, "trainer", point)
-        log.info("job %s step %d/%d: reward %.3f loss %.4f mismatch_kl %.4f stale %.1f (wait %.1fs train %.2fs publish %.2fs)",
-                 self.rec.id, self.state.step, spec.steps, point["reward_mean"], point["loss"],
-                 stats["mismatch_kl"], point["staleness_mean"], wait_s, t_train, t_pub)
+        log.info(
+            "job %s step %d/%d: reward %.3f loss %.4f mismatch_kl %.4f stale %.1f (wait %.1fs train %.2fs publish %.2fs)",
+            self.rec.id,
+            self.state.step,
+            spec.steps,
+            point["reward_mean"],
+            point["loss"],
+            stats["mismatch_kl"],
+            point["staleness_mean"],
+            wait_s,
+            t_train,
+            t_pub,
+        )
 
     # -- publishing ------------------------------------------------------------------
     def _publish(self, adapter: dict[str, bytes]) -> None:
-        m = Manifest(job_id=self.rec.id, version=self.state.step, step=self.state.step,
-                     base_model=self.rec.spec.base_model, files={})
+        m = Manifest(
+            job_id=self.rec.id,
+            version=self.state.step,
+            step=self.state.step,
+            base_model=self.rec.spec.base_model,
+            files={},
+        )
         publish_version(self.store, m, adapter)
 
     def _publish_if_missing(self) -> None:
@@ -178,8 +211,9 @@ class JobTrainer:
         v = self.state.step
         cur = int(self.r.get(keys.policy_pointer(self.rec.id)) or 0)
         if v > cur:
-            event = PolicyPublished(job_id=self.rec.id, version=v, path=version_prefix(self.rec.id, v), step=v,
-                                    published_at=time.time())
+            event = PolicyPublished(
+                job_id=self.rec.id, version=v, path=version_prefix(self.rec.id, v), step=v, published_at=time.time()
+            )
             pipe = self.r.pipeline(transaction=True)
             pipe.set(keys.policy_pointer(self.rec.id), v)
             pipe.xadd(keys.policy_events(self.rec.id), {b"m": encode(event)}, maxlen=1000, approximate=True)

@@ -29,15 +29,9 @@ class Card(BaseModel):
     """One GPU model. Throughputs are dense peak TFLOPS; 0 means "not supported in hardware"."""
 
     name: str = Field(description="Catalog key, lower case, e.g. 'h200'.")
-    memory_gb: float = Field(
-        gt=0, description="Device memory in GB (10^9 bytes, as vendors count)."
-    )
-    bf16_tflops: float = Field(
-        ge=0, description="Dense bf16 tensor TFLOPS with FP32 accumulate; 0 if no bf16."
-    )
-    fp16_tflops: float = Field(
-        gt=0, description="Dense fp16 TFLOPS with FP32 accumulate."
-    )
+    memory_gb: float = Field(gt=0, description="Device memory in GB (10^9 bytes, as vendors count).")
+    bf16_tflops: float = Field(ge=0, description="Dense bf16 tensor TFLOPS with FP32 accumulate; 0 if no bf16.")
+    fp16_tflops: float = Field(gt=0, description="Dense fp16 TFLOPS with FP32 accumulate.")
     bandwidth_gbs: float = Field(gt=0, description="Device memory bandwidth, GB/s.")
     link_gbs: float = Field(
         default=32.0,
@@ -137,9 +131,7 @@ class Catalog(BaseModel):
         if key in self.cards:
             return self.cards[key]
         known = ", ".join(sorted(self.cards))
-        raise KeyError(
-            f"unknown card {name!r}; known: {known} (add more with --cards-file)"
-        )
+        raise KeyError(f"unknown card {name!r}; known: {known} (add more with --cards-file)")
 
     def extend_from_file(self, path: str | Path) -> Catalog:
         """Add/override cards from a TOML or JSON file holding a `cards` table keyed by name."""
@@ -150,9 +142,7 @@ class Catalog(BaseModel):
         for name, fields in data.get("cards", data).items():
             key = normalize_name(name)
             fields = {"fp16_tflops": fields.get("bf16_tflops", 0), **fields}
-            cards[key] = Card(
-                name=key, **{k: v for k, v in fields.items() if k != "name"}
-            )
+            cards[key] = Card(name=key, **{k: v for k, v in fields.items() if k != "name"})
         return Catalog(cards=cards)
 
 

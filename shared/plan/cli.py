@@ -36,16 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--completion-len", type=int, default=1024)
     p.add_argument("--group-size", "-G", type=int, default=8)
-    p.add_argument(
-        "--batch", type=int, default=32, help="prompts (groups) per optimizer step"
-    )
-    p.add_argument(
-        "--cards", nargs="+", default=["h200"], help="e.g. h200 mi50-32:3 rtx4070"
-    )
+    p.add_argument("--batch", type=int, default=32, help="prompts (groups) per optimizer step")
+    p.add_argument("--cards", nargs="+", default=["h200"], help="e.g. h200 mi50-32:3 rtx4070")
     p.add_argument("--cards-file", help="TOML/JSON with extra [cards.<name>] entries")
-    p.add_argument(
-        "--placement", choices=["auto", "disaggregated", "colocated"], default="auto"
-    )
+    p.add_argument("--placement", choices=["auto", "disaggregated", "colocated"], default="auto")
     p.add_argument(
         "--no-ref",
         action="store_true",
@@ -56,13 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(WEIGHT_BYTES),
         help="force the serving precision",
     )
-    p.add_argument(
-        "--mfu", type=float, default=0.4, help="fraction of peak FLOPS reached"
-    )
+    p.add_argument("--mfu", type=float, default=0.4, help="fraction of peak FLOPS reached")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument(
-        "--list-cards", action="store_true", help="print the card catalog and exit"
-    )
+    p.add_argument("--list-cards", action="store_true", help="print the card catalog and exit")
     return p
 
 
@@ -89,9 +79,7 @@ def _list_cards(catalog: Catalog, console: Console) -> None:
             c.note,
         )
     console.print(table)
-    console.print(
-        "built-in models: " + ", ".join(s.name for s in BUILTIN_SHAPES.values())
-    )
+    console.print("built-in models: " + ", ".join(s.name for s in BUILTIN_SHAPES.values()))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,15 +28,9 @@ class ModelShape(BaseModel):
     intermediate_size: int = Field(gt=0)
     vocab_size: int = Field(gt=0)
     tie_word_embeddings: bool = False
-    qkv_bias: bool = Field(
-        default=False, description="Qwen2 has biases on q/k/v projections."
-    )
-    qk_norm: bool = Field(
-        default=False, description="Qwen3 normalizes q and k per head."
-    )
-    quant_bits: int | None = Field(
-        default=None, description="Set when the checkpoint itself is GPTQ/AWQ."
-    )
+    qkv_bias: bool = Field(default=False, description="Qwen2 has biases on q/k/v projections.")
+    qk_norm: bool = Field(default=False, description="Qwen3 normalizes q and k per head.")
+    quant_bits: int | None = Field(default=None, description="Set when the checkpoint itself is GPTQ/AWQ.")
     quant_method: str | None = None
 
     @property
@@ -76,9 +70,7 @@ class ModelShape(BaseModel):
     @property
     def embed_params(self) -> int:
         """Input embedding plus an untied lm_head."""
-        return (
-            self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        )
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
 
     @property
     def n_params(self) -> int:
@@ -88,9 +80,7 @@ class ModelShape(BaseModel):
         """A (r x in) plus B (out x r) for every targeted linear in every layer."""
         shapes = self.linear_shapes()
         names = targets or list(shapes)
-        return self.num_layers * sum(
-            rank * (shapes[n][0] + shapes[n][1]) for n in names
-        )
+        return self.num_layers * sum(rank * (shapes[n][0] + shapes[n][1]) for n in names)
 
     def kv_bytes_per_token(self, dtype_bytes: float) -> float:
         """K and V for one token across all layers."""
@@ -165,9 +155,7 @@ BUILTIN_SHAPES: dict[str, ModelShape] = {
 
 def shape_from_config(config: dict[str, Any], name: str = "model") -> ModelShape:
     """Read a HF config.json dict (Llama, Qwen2/2.5/3, Mistral and alike)."""
-    cfg = config.get(
-        "text_config", config
-    )  # multimodal wrappers nest the language model
+    cfg = config.get("text_config", config)  # multimodal wrappers nest the language model
     heads = cfg["num_attention_heads"]
     hidden = cfg["hidden_size"]
     model_type = cfg.get("model_type", "")
@@ -191,13 +179,9 @@ def shape_from_config(config: dict[str, Any], name: str = "model") -> ModelShape
 
 def hf_cache_dir() -> Path:
     """Where huggingface_hub keeps snapshots, honouring the same env vars it does."""
-    if cache := os.environ.get("HF_HUB_CACHE") or os.environ.get(
-        "HUGGINGFACE_HUB_CACHE"
-    ):
+    if cache := os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE"):
         return Path(cache)
-    hf_home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface"
-    )
+    hf_home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
     return Path(hf_home).expanduser() / "hub"
 
 
@@ -208,14 +192,9 @@ def find_cached_config(repo_id: str, cache_dir: Path | None = None) -> Path | No
     if not snapshots.is_dir():
         return None
     ref = repo / "refs" / "main"
-    if (
-        ref.is_file()
-        and (snapshots / ref.read_text().strip() / "config.json").is_file()
-    ):
+    if ref.is_file() and (snapshots / ref.read_text().strip() / "config.json").is_file():
         return snapshots / ref.read_text().strip() / "config.json"
-    found = sorted(
-        snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime, reverse=True
-    )
+    found = sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime, reverse=True)
     return found[0] if found else None
 
 
@@ -233,9 +212,7 @@ def resolve_shape(model: str, cache_dir: Path | None = None) -> ModelShape:
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
-        return shape_from_config(
-            json.loads(path.read_text()), name=path.parent.name or model
-        )
+        return shape_from_config(json.loads(path.read_text()), name=path.parent.name or model)
     if "/" in model and (cached := find_cached_config(model, cache_dir)) is not None:
         return shape_from_config(json.loads(cached.read_text()), name=model)
     if (shape := _builtin(model)) is not None:

@@ -50,12 +50,8 @@ class Efficiency(BaseModel):
         le=1,
         description="Fraction of peak FLOPS in matmul-bound work.",
     )
-    bw_eff: float = Field(
-        default=0.7, gt=0, le=1, description="Fraction of peak bandwidth in decode."
-    )
-    host_gbs: float = Field(
-        default=25.0, gt=0, description="Host<->card copy bandwidth for offload."
-    )
+    bw_eff: float = Field(default=0.7, gt=0, le=1, description="Fraction of peak bandwidth in decode.")
+    host_gbs: float = Field(default=25.0, gt=0, description="Host<->card copy bandwidth for offload.")
 
 
 class RolePlan(BaseModel):
@@ -68,12 +64,8 @@ class RolePlan(BaseModel):
     peak_gb: float = Field(description="Peak per card with the recommended settings.")
     capacity_gb: float
     headroom_gb: float
-    micro_batch: int = Field(
-        description="Recommended micro-batch (trainer/ref) or sequences in flight (rollout)."
-    )
-    max_micro_batch: int = Field(
-        description="Largest micro-batch (or sequences in flight) that fits."
-    )
+    micro_batch: int = Field(description="Recommended micro-batch (trainer/ref) or sequences in flight (rollout).")
+    max_micro_batch: int = Field(description="Largest micro-batch (or sequences in flight) that fits.")
     recommended: dict[str, object]
     min_settings: dict[str, object]
     min_peak_gb: float
@@ -101,11 +93,7 @@ def _ladder(method: Method, card: Card, k: int) -> list[TrainerSettings]:
     """Trainer settings from fastest to leanest; each rung adds the next-cheapest memory saver."""
     base = TrainerSettings(dtype=card.train_dtype, fsdp_shards=k)  # type: ignore[arg-type]
     rungs = [{}, {"logits_chunk": 1024}, {"grad_checkpointing": True}]
-    rungs += (
-        [{"optimizer": "adamw8bit"}, {"cpu_offload": True}]
-        if method.kind == "full"
-        else [{"base_bits": 4}]
-    )
+    rungs += [{"optimizer": "adamw8bit"}, {"cpu_offload": True}] if method.kind == "full" else [{"base_bits": 4}]
     out, acc = [], {}
     for rung in rungs:
         acc |= rung
@@ -116,11 +104,7 @@ def _ladder(method: Method, card: Card, k: int) -> list[TrainerSettings]:
 def _diff(s: TrainerSettings) -> dict[str, object]:
     """Only the settings that differ from the defaults, so the table stays short."""
     default = TrainerSettings()
-    return {
-        k: v
-        for k, v in s.model_dump().items()
-        if v != getattr(default, k) or k in ("dtype", "micro_batch")
-    }
+    return {k: v for k, v in s.model_dump().items() if v != getattr(default, k) or k in ("dtype", "micro_batch")}
 
 
 def trainer_time(
@@ -135,33 +119,18 @@ def trainer_time(
     tokens = w.sequences * w.seq_len
     # Forward 1x; backward 2x for full (input and weight grads), ~1x for LoRA (input grads only).
     passes = (3 if full else 2) + (1 if s.grad_checkpointing else 0)
-    compute = (
-        tokens
-        * shape.forward_flops_per_token(w.seq_len)
-        * passes
-        / (k * card.tflops * 1e12 * eff.mfu)
-    )
-    compute *= (
-        1.25 if s.base_bits == 4 else 1.0
-    )  # QLoRA dequantizes every weight on every use
+    compute = tokens * shape.forward_flops_per_token(w.seq_len) * passes / (k * card.tflops * 1e12 * eff.mfu)
+    compute *= 1.25 if s.base_bits == 4 else 1.0  # QLoRA dequantizes every weight on every use
     weight_bytes = shape.n_params * 2
     comm = 0.0
-    if (
-        k > 1
-    ):  # FSDP: all-gather weights for forward and backward, reduce-scatter grads, per micro-batch
+    if k > 1:  # FSDP: all-gather weights for forward and backward, reduce-scatter grads, per micro-batch
         micro_steps = math.ceil(w.sequences / (k * s.micro_batch))
         per_micro = weight_bytes * (3 if full else 2) * (k - 1) / k
         comm = micro_steps * per_micro / (card.link_gbs * 1e9)
-    trainable = (
-        shape.n_params if full else shape.lora_params(method.rank, method.targets)
-    )
-    optim = (
-        trainable * 28 / k / (card.bandwidth_gbs * 1e9 * eff.bw_eff)
-    )  # read p,g,m,v; write p,m,v
+    trainable = shape.n_params if full else shape.lora_params(method.rank, method.targets)
+    optim = trainable * 28 / k / (card.bandwidth_gbs * 1e9 * eff.bw_eff)  # read p,g,m,v; write p,m,v
     if full and s.cpu_offload:  # grads out, params back, Adam on the host
-        optim = trainable * 2 * 2 / k / (eff.host_gbs * 1e9) + trainable * 28 / k / (
-            eff.host_gbs * 2e9
-        )
+        optim = trainable * 2 * 2 / k / (eff.host_gbs * 1e9) + trainable * 28 / k / (eff.host_gbs * 2e9)
     return max(compute, comm) + optim
 
 
@@ -180,9 +149,7 @@ def plan_trainer(
     want = min(cap, math.ceil(EFFICIENT_TOKENS / w.seq_len))
 
     def peak(s: TrainerSettings, m: int) -> float:
-        return trainer_memory(
-            shape, method, w, s.model_copy(update={"micro_batch": m})
-        ).peak_bytes
+        return trainer_memory(shape, method, w, s.model_copy(update={"micro_batch": m})).peak_bytes
 
     ladder = _ladder(method, card, k)
     best: tuple[TrainerSettings, int] | None = None
@@ -197,19 +164,9 @@ def plan_trainer(
     min_peak = peak(lean, 1)
     # Past ~EFFICIENT_TOKENS per micro-batch speed barely improves, so leave the memory free
     # (for vLLM when colocated, for a ref beside the trainer otherwise).
-    chosen = (
-        (best[0].model_copy(update={"micro_batch": min(best[1], want)}))
-        if best
-        else lean
-    )
+    chosen = (best[0].model_copy(update={"micro_batch": min(best[1], want)})) if best else lean
     mem = trainer_memory(shape, method, w, chosen)
-    notes = (
-        []
-        if best
-        else [
-            f"does not fit even with every saver on: needs {min_peak / GB:.1f} GB per card"
-        ]
-    )
+    notes = [] if best else [f"does not fit even with every saver on: needs {min_peak / GB:.1f} GB per card"]
     return RolePlan(
         role="trainer",
         card=card.name,
@@ -247,11 +204,7 @@ def rollout_time(
     kv_tok = shape.kv_bytes_per_token(1 if s.kv_dtype == "fp8" else 2)
     waves = math.ceil(w.sequences / max(conc, 1))
     per_token = max(
-        (
-            serve_weight_bytes(shape, s.weights)
-            + conc * (w.prompt_len + w.completion_len / 2) * kv_tok
-        )
-        / bw,
+        (serve_weight_bytes(shape, s.weights) + conc * (w.prompt_len + w.completion_len / 2) * kv_tok) / bw,
         2 * n * conc / flops,
     )
     return prefill + waves * w.completion_len * per_token
@@ -310,19 +263,13 @@ def plan_rollout(
     t = rollout_time(shape, w, s, card, tp, conc, eff) / replicas
     lean = s.model_copy(update={"weights": "awq"})
     lean_mem = rollout_memory(shape, w, lean, budget * tp)
-    used = (
-        mem.components["weights"]
-        + mem.components["activations"]
-        + mem.components["overhead"]
-    )
+    used = mem.components["weights"] + mem.components["activations"] + mem.components["overhead"]
     rec = {
         "weights": s.weights,
         "kv_dtype": s.kv_dtype,
         "tensor_parallel": tp,
         "replicas": replicas,
-        "gpu_memory_utilization": round(
-            s.gpu_memory_utilization * budget / card.memory_bytes, 2
-        ),
+        "gpu_memory_utilization": round(s.gpu_memory_utilization * budget / card.memory_bytes, 2),
     }
     return RolePlan(
         role="rollout",
@@ -340,9 +287,7 @@ def plan_rollout(
         + kv_bytes_per_group(shape, w, lean) / GB / tp,
         peak_phase="serving",
         time_s=t,
-        notes=[
-            f"{(mem.components['kv_cache']) / GB:.1f} GB KV pool beside {used / GB:.1f} GB weights+workspace"
-        ],
+        notes=[f"{(mem.components['kv_cache']) / GB:.1f} GB KV pool beside {used / GB:.1f} GB weights+workspace"],
     )
 
 
@@ -357,9 +302,7 @@ def plan_ref(
     """Forward-only reference log-probs in `budget_gb` of one card."""
     budget = budget_gb * GB
     cap = min(w.sequences, max(1, EFFICIENT_TOKENS // w.seq_len))
-    m = largest_micro_batch(
-        lambda m: ref_memory(shape, w, m, share_weights=share).peak_bytes <= budget, cap
-    )
+    m = largest_micro_batch(lambda m: ref_memory(shape, w, m, share_weights=share).peak_bytes <= budget, cap)
     mem = ref_memory(shape, w, max(m, 1), share_weights=share)
     flops = card.tflops * 1e12 * eff.mfu
     t = w.sequences * w.seq_len * shape.forward_flops_per_token(w.seq_len) / flops
@@ -400,18 +343,13 @@ def _disaggregated(
     eff: Efficiency,
 ) -> Plan:
     trainer = plan_trainer(shape, method, w, trainer_card, k, eff)
-    rest = {
-        n: (c, cnt - (k if n == trainer_card.name else 0))
-        for n, (c, cnt) in pool.items()
-    }
+    rest = {n: (c, cnt - (k if n == trainer_card.name else 0)) for n, (c, cnt) in pool.items()}
     rest = {n: v for n, v in rest.items() if v[1] > 0}
     base = [plan_rollout(shape, w, c, cnt, eff, weights) for c, cnt in rest.values()]
     # (rollouts, ref, trainer-side seconds, sampling-side seconds) for each place the ref could go.
     options: list[tuple[list[RolePlan], RolePlan | None, float, float]] = []
     if not ref:
-        options.append(
-            (base, None, trainer.time_s, _combine([r.time_s for r in base if r.fits]))
-        )
+        options.append((base, None, trainer.time_s, _combine([r.time_s for r in base if r.fits])))
     elif trainer.fits:  # one ref replica per trainer card, in the trainer's headroom
         r = plan_ref(shape, w, trainer_card, trainer.headroom_gb, eff, share=False)
         r.count, r.time_s = k, r.time_s / k
@@ -432,9 +370,7 @@ def _disaggregated(
         r.count, r.time_s = cnt, r.time_s / cnt
         r.notes.append(f"beside rollout on each {card.name}")
         rolls = list(base)
-        rolls[i] = plan_rollout(
-            shape, w, card, cnt, eff, weights, budget_gb=card.memory_gb - r.peak_gb
-        )
+        rolls[i] = plan_rollout(shape, w, card, cnt, eff, weights, budget_gb=card.memory_gb - r.peak_gb)
         options.append(
             (
                 rolls,
@@ -482,29 +418,19 @@ def _colocated(
 ) -> Plan:
     # vLLM sleep mode: during training vLLM keeps only its context; weights go to host RAM, KV is dropped.
     sleeping = ServeSettings().overhead_gb * GB
-    ref_weights = (
-        serve_weight_bytes(shape, card.train_dtype) / k
-        if ref and method.kind == "full"
-        else 0.0
-    )
-    trainer = plan_trainer(
-        shape, method, w, card, k, eff, extra_static=sleeping + ref_weights
-    )
+    ref_weights = serve_weight_bytes(shape, card.train_dtype) / k if ref and method.kind == "full" else 0.0
+    trainer = plan_trainer(shape, method, w, card, k, eff, extra_static=sleeping + ref_weights)
     chosen = TrainerSettings.model_validate(trainer.recommended | {"fsdp_shards": k})
     static = sum(trainer_memory(shape, method, w, chosen).components.values())
     static += chosen.overhead_gb * GB + ref_weights
-    rollout = plan_rollout(
-        shape, w, card, k, eff, weights, budget_gb=(card.memory_bytes - static) / GB
-    )
+    rollout = plan_rollout(shape, w, card, k, eff, weights, budget_gb=(card.memory_bytes - static) / GB)
     rollout.notes.append("vLLM in sleep mode while the trainer steps")
     roles = [trainer, rollout]
     t = trainer.time_s + rollout.time_s
     fits = trainer.fits and rollout.fits
     if ref:
         # The ref is the trainer's own model (LoRA: adapter disabled; full: a frozen copy kept beside it).
-        ref_plan = plan_ref(
-            shape, w, card, (card.memory_bytes - static) / GB, eff, share=True
-        )
+        ref_plan = plan_ref(shape, w, card, (card.memory_bytes - static) / GB, eff, share=True)
         ref_plan.count, ref_plan.time_s = k, ref_plan.time_s / k
         roles.append(ref_plan)
         t += ref_plan.time_s
@@ -545,15 +471,9 @@ def plan(
     for card, count in pool.values():
         for k in range(1, count + 1):
             if placement in ("auto", "disaggregated"):
-                candidates.append(
-                    _disaggregated(
-                        shape, method, w, pool, card, k, ref, rollout_weights, eff
-                    )
-                )
+                candidates.append(_disaggregated(shape, method, w, pool, card, k, ref, rollout_weights, eff))
             if placement in ("auto", "colocated"):
-                candidates.append(
-                    _colocated(shape, method, w, card, k, ref, rollout_weights, eff)
-                )
+                candidates.append(_colocated(shape, method, w, card, k, ref, rollout_weights, eff))
     if not candidates:
         raise ValueError("no cards given")
 
@@ -572,7 +492,5 @@ def plan(
         for p in candidates[1:6]
     ]
     if not best.fits:
-        best.notes.append(
-            "nothing fits: see each role's min settings and peak, or add cards"
-        )
+        best.notes.append("nothing fits: see each role's min settings and peak, or add cards")
     return best

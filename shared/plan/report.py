@@ -21,22 +21,12 @@ def _settings(d: dict[str, object], skip: tuple[str, ...] = ()) -> str:
 
 
 def _secs(t: float) -> str:
-    return (
-        "-"
-        if not math.isfinite(t)
-        else f"{t:.1f} s"
-        if t < 120
-        else f"{t / 60:.1f} min"
-    )
+    return "-" if not math.isfinite(t) else f"{t:.1f} s" if t < 120 else f"{t / 60:.1f} min"
 
 
 def _row(r: RolePlan) -> list[str]:
     fits = "[green]yes[/]" if r.fits else "[red]NO[/]"
-    mb = (
-        f"{r.micro_batch} (max {r.max_micro_batch})"
-        if r.role != "rollout"
-        else f"{r.micro_batch} in flight"
-    )
+    mb = f"{r.micro_batch} (max {r.max_micro_batch})" if r.role != "rollout" else f"{r.micro_batch} in flight"
     return [
         r.role,
         f"{r.count}x {r.card}",
@@ -82,9 +72,7 @@ def render(plan: Plan, console: Console | None = None) -> None:
         console.print("runners-up:")
         for alt in plan.alternatives:
             ok = "fits" if alt["fits"] else "no fit"
-            console.print(
-                f"  {alt['placement']:<14} {ok:<7} {_secs(float(alt['step_time_s'])):>9}  {alt['layout']}"
-            )
+            console.print(f"  {alt['placement']:<14} {ok:<7} {_secs(float(alt['step_time_s'])):>9}  {alt['layout']}")
     console.print(f"[dim]{ERROR_NOTE}[/]")
 
 
