@@ -7,19 +7,13 @@ readers verify every file's sha256 against it before use.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.store import ObjectStore, StoreError
+from shared.store import MANIFEST, ObjectStore, StoreError, VerificationError, get_folder, put_folder
 
-MANIFEST = "manifest.json"
-
-
-class VerificationError(StoreError):
-    """A version's files do not match its manifest; it must never be served."""
+__all__ = ["MANIFEST", "Manifest", "VerificationError", "fetch_version", "latest_version", "publish_version"]
 
 
 def version_prefix(job_id: str, version: int) -> str:
@@ -36,38 +30,24 @@ class Manifest:
     created_at: float = field(default_factory=time.time)
     probe: dict[str, list] = field(default_factory=dict)  # token ids and expected log-probs
 
-    def to_json(self) -> bytes:
-        return json.dumps(self.__dict__, indent=1).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> Manifest:
-        return cls(**json.loads(data))
-
 
 def publish_version(store: ObjectStore, manifest: Manifest, files: dict[str, bytes]) -> str:
     """Write files, then the manifest naming their hashes. Returns the version prefix."""
     prefix = version_prefix(manifest.job_id, manifest.version)
     if store.exists(f"{prefix}/{MANIFEST}"):
         raise StoreError(f"{prefix} already exists: policy versions are immutable")
-    manifest.files = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
-    for name, data in files.items():
-        store.put(f"{prefix}/{name}", data)
-    store.put(f"{prefix}/{MANIFEST}", manifest.to_json())
+    meta = {k: v for k, v in manifest.__dict__.items() if k != "files"}
+    manifest.files = put_folder(store, prefix, files, meta)["files"]
     return prefix
 
 
 def fetch_version(store: ObjectStore, job_id: str, version: int, dest: Path) -> Manifest:
     """Download a version into a fresh folder `dest`, verifying every hash."""
-    prefix = version_prefix(job_id, version)
-    manifest = Manifest.from_json(store.get(f"{prefix}/{MANIFEST}"))
+    meta, files = get_folder(store, version_prefix(job_id, version))
     dest.mkdir(parents=True, exist_ok=True)
-    for name, digest in manifest.files.items():
-        data = store.get(f"{prefix}/{name}")
-        got = hashlib.sha256(data).hexdigest()
-        if got != digest:
-            raise VerificationError(f"{prefix}/{name}: sha256 {got[:12]} != manifest {digest[:12]}")
+    for name, data in files.items():
         (dest / name).write_bytes(data)
-    return manifest
+    return Manifest(**meta)
 
 
 def latest_version(store: ObjectStore, job_id: str) -> int:

@@ -7,12 +7,7 @@ last moments of the run: allowed (CI, a throwaway laptop) but logged loudly.
 
 from __future__ import annotations
 
-import logging
-import time
-
 import redis
-
-log = logging.getLogger(__name__)
 
 
 class RedisPolicyError(RuntimeError):
@@ -54,23 +49,3 @@ def _config(r: redis.Redis, name: str) -> str:
     got = {(k.decode() if isinstance(k, bytes) else k): v for k, v in r.config_get(name).items()}
     v = got.get(name, "")
     return v.decode() if isinstance(v, bytes) else str(v)
-
-
-def wait_for_redis(url: str, *, attempts: int = 0, max_backoff_s: float = 10.0) -> redis.Redis:
-    """Connect with exponential backoff (attempts=0: forever), running the checks once up."""
-    delay = 0.25
-    n = 0
-    while True:
-        n += 1
-        r = connect(url)
-        try:
-            r.ping()
-            for w in check_server(r):
-                log.warning("%s", w)
-            return r
-        except redis.ConnectionError as e:
-            if attempts and n >= attempts:
-                raise ConnectionError(f"Redis at {url} unreachable after {n} attempts: {e}") from e
-            log.warning("Redis at %s unreachable (%s); retrying in %.1fs", url, e, delay)
-            time.sleep(delay)
-            delay = min(max_backoff_s, delay * 2)

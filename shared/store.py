@@ -9,15 +9,24 @@ AWS_REGION — so MinIO, R2 and S3 all work.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 from urllib.parse import urlparse
 
 
 class StoreError(RuntimeError):
     pass
+
+
+class VerificationError(StoreError):
+    """A folder's files do not match its manifest; they must never be used."""
+
+
+MANIFEST = "manifest.json"
 
 
 class ObjectStore(Protocol):
@@ -138,3 +147,29 @@ def open_store(url: str) -> ObjectStore:
             raise StoreError(f"STORE_URL {url!r} has no bucket: use s3://bucket/prefix")
         return S3Store(u.netloc, u.path)
     raise StoreError(f"STORE_URL {url!r}: scheme must be file:// or s3://")
+
+
+def put_folder(store: ObjectStore, prefix: str, files: dict[str, bytes], meta: dict[str, Any]) -> dict[str, Any]:
+    """Write files, then manifest.json (meta + each file's sha256) last.
+
+    The folder exists once its manifest does: a crash mid-upload leaves no folder.
+    Policy versions and trainer checkpoints are both such folders.
+    """
+    manifest = {**meta, "files": {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}}
+    for name, data in files.items():
+        store.put(f"{prefix}/{name}", data)
+    store.put(f"{prefix}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
+    return manifest
+
+
+def get_folder(store: ObjectStore, prefix: str) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """The manifest and every file of a folder, each checked against its sha256."""
+    manifest = json.loads(store.get(f"{prefix}/{MANIFEST}"))
+    files = {}
+    for name, digest in manifest["files"].items():
+        data = store.get(f"{prefix}/{name}")
+        got = hashlib.sha256(data).hexdigest()
+        if got != digest:
+            raise VerificationError(f"{prefix}/{name}: sha256 {got[:12]} != manifest {digest[:12]}")
+        files[name] = data
+    return manifest, files

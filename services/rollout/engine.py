@@ -92,15 +92,12 @@ class InProcessEngine:
         for o in outs:
             samples = []
             for c in o.outputs:
-                lps = [next(iter(d.values())).logprob if d else 0.0 for d in c.logprobs or []]
-                if not lps:
-                    lps = [0.0] * len(c.token_ids)
-                # A sampled token may be absent from a top-0 dict only if vLLM changes
-                # semantics; look it up by id to be sure we record the sampled one.
+                # vLLM always includes the sampled token in each position's dict; greedy
+                # evaluation asks for no log-probs at all (zeros are never trained on).
                 if c.logprobs:
-                    lps = [
-                        d[t].logprob if t in d else lp for d, t, lp in zip(c.logprobs, c.token_ids, lps, strict=True)
-                    ]
+                    lps = [d[t].logprob for d, t in zip(c.logprobs, c.token_ids, strict=True)]
+                else:
+                    lps = [0.0] * len(c.token_ids)
                 samples.append(Sample(list(c.token_ids), lps, c.text, c.finish_reason or "stop"))
             result.append(Generation(list(o.prompt_token_ids or []), samples))
         return result

@@ -29,6 +29,7 @@ from shared.schema import Completion, GroupMsg, PromptMsg, decode, encode, pack_
 from shared.service import ServiceRuntime, active_job_ids
 from shared.store import ObjectStore
 from shared.tasks import get_task
+from shared.tasks.base import total
 
 log = logging.getLogger(__name__)
 
@@ -127,13 +128,9 @@ class RolloutWorker:
                 max_tokens=spec.sampling.max_tokens,
             )
             rewards = [
-                sum(task.score(s.text, it.fields).values())
-                for g, it in zip(sampled, items, strict=True)
-                for s in g.samples
+                total(task.score(s.text, it.fields)) for g, it in zip(sampled, items, strict=True) for s in g.samples
             ]
-            greedy_ok = [
-                sum(task.score(g.samples[0].text, it.fields).values()) for g, it in zip(greedy, items, strict=True)
-            ]
+            greedy_ok = [total(task.score(g.samples[0].text, it.fields)) for g, it in zip(greedy, items, strict=True)]
             result = {
                 "accuracy": sum(x >= 1.0 for x in rewards) / len(rewards),
                 "mean_reward": sum(rewards) / len(rewards),
@@ -152,11 +149,12 @@ class RolloutWorker:
             )
 
     # -- generation ------------------------------------------------------------------
-    def generate_once(self) -> int:
+    def generate_once(self) -> dict[str, int]:
+        """One engine round over the served jobs' prompts; groups produced per job."""
         running = {j: v for j, v in self.jobs.items() if v.rec.state == JobState.running}
         entries = self.bus.read([keys.prompts(j) for j in running], count=self.s.prompts_per_batch, block_ms=500)
         if not entries:
-            return 0
+            return {}
         todo: list[tuple[Entry, PromptMsg, JobView]] = []
         for e in entries:
             view = running.get(e.job_id)
@@ -176,7 +174,7 @@ class RolloutWorker:
             by_cfg.setdefault(
                 (sp.group_size, sp.sampling.temperature, sp.sampling.top_p, sp.sampling.max_tokens), []
             ).append(t)
-        produced = 0
+        produced: dict[str, int] = {}
         for (n, temp, top_p, max_tokens), batch in by_cfg.items():
             gens = self.engine.generate(
                 [m.prompt for _, m, _ in batch],
@@ -210,8 +208,8 @@ class RolloutWorker:
                 )
                 self.bus.forward([e], [(keys.rollouts(msg.job_id), encode(group))], {msg.job_id: {"produced": 1}})
                 self.m_tokens.inc(sum(len(s.token_ids) for s in gen.samples))
-                produced += 1
-        self.m_groups.inc(produced)
+                produced[msg.job_id] = produced.get(msg.job_id, 0) + 1
+        self.m_groups.inc(sum(produced.values()))
         return produced
 
     def tick(self) -> None:
@@ -219,8 +217,6 @@ class RolloutWorker:
         self.evaluate_pending()
         t0 = time.time()
         produced = self.generate_once()
-        if produced:
-            for job_id in {j for j in self.jobs}:
-                record_point(
-                    self.rt.redis, job_id, "rollout", {"groups": produced, "seconds": round(time.time() - t0, 3)}
-                )
+        seconds = round(time.time() - t0, 3)
+        for job_id, groups in produced.items():
+            record_point(self.rt.redis, job_id, "rollout", {"groups": groups, "seconds": seconds})

@@ -8,7 +8,6 @@ Everything is safetensors or JSON; nothing is pickled.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,13 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import load, save
 
-from shared.store import ObjectStore, StoreError
-
-MANIFEST = "manifest.json"
-
-
-class CorruptCheckpoint(StoreError):
-    pass
+from shared.store import MANIFEST, ObjectStore, get_folder, put_folder
 
 
 @dataclass
@@ -67,10 +60,7 @@ def save_checkpoint(
         {"step": state.step, "trained_groups": state.trained_groups, "extra": state.extra, "param_groups": groups}
     ).encode()
     prefix = ckpt_prefix(job_id, state.step)
-    for name, data in files.items():
-        store.put(f"{prefix}/{name}", data)
-    manifest = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
-    store.put(f"{prefix}/{MANIFEST}", json.dumps({"step": state.step, "files": manifest}).encode())
+    put_folder(store, prefix, files, {"step": state.step})
     return prefix
 
 
@@ -83,14 +73,7 @@ def load_checkpoint(
     store: ObjectStore, job_id: str, step: int
 ) -> tuple[TrainState, dict[str, bytes], dict[str, torch.Tensor], list[dict]]:
     """Verified files of a checkpoint: state, adapter files, optimizer tensors, param groups."""
-    prefix = ckpt_prefix(job_id, step)
-    manifest = json.loads(store.get(f"{prefix}/{MANIFEST}"))
-    files = {}
-    for name, digest in manifest["files"].items():
-        data = store.get(f"{prefix}/{name}")
-        if hashlib.sha256(data).hexdigest() != digest:
-            raise CorruptCheckpoint(f"{prefix}/{name} does not match its manifest")
-        files[name] = data
+    _, files = get_folder(store, ckpt_prefix(job_id, step))
     meta = json.loads(files.pop("state.json"))
     opt_tensors = load(files.pop("optimizer.safetensors"))
     state = TrainState(step=meta["step"], trained_groups=meta["trained_groups"], extra=meta["extra"])

@@ -31,7 +31,7 @@ from shared import keys
 from shared.bus import Bus, Entry
 from shared.job import JobRecord, JobState, load_job, save_job
 from shared.metrics import record_point
-from shared.policy import Manifest, publish_version, version_prefix
+from shared.policy import MANIFEST, Manifest, publish_version, version_prefix
 from shared.schema import GroupMsg, PolicyPublished, decode, encode
 from shared.service import ServiceRuntime, active_job_ids
 from shared.store import ObjectStore
@@ -203,7 +203,7 @@ class JobTrainer:
         publish_version(self.store, m, adapter)
 
     def _publish_if_missing(self) -> None:
-        if not self.store.exists(f"{version_prefix(self.rec.id, self.state.step)}/manifest.json"):
+        if not self.store.exists(f"{version_prefix(self.rec.id, self.state.step)}/{MANIFEST}"):
             self._publish(adapter_files(self.model, self.rec.spec.base_model))
         self._advance_pointer()
 
