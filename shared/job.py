@@ -103,6 +103,17 @@ class JobRecord(BaseModel):
     error: str = ""
 
 
+def same_model(a: str, b: str) -> bool:
+    """Whether two base-model references name the same model (local paths resolved)."""
+    from pathlib import Path
+
+    def norm(x: str) -> str:
+        p = Path(x).expanduser()
+        return str(p.resolve()) if p.exists() else x
+
+    return a == b or norm(a) == norm(b)
+
+
 def load_job(r: redis.Redis, job_id: str) -> JobRecord | None:
     """The api's stored copy of a job (what every stage acts on)."""
     raw = r.hget(keys.jobs_index(), job_id)

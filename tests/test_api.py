@@ -61,3 +61,13 @@ def test_job_lifecycle_and_feeder_window(client, r):
     assert client.post(f"/v1/jobs/{job['id']}/cancel").json()["state"] == "cancelled"
     assert client.post(f"/v1/jobs/{job['id']}/resume").status_code == 409
     assert client.get("/v1/jobs/nope").status_code == 404
+
+
+def test_same_model_resolves_local_paths(tmp_path, monkeypatch):
+    from shared.job import same_model
+
+    (tmp_path / "m").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert same_model("m", str(tmp_path / "m"))
+    assert same_model("Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-0.5B")
+    assert not same_model("m", "Qwen/Qwen2.5-0.5B")

@@ -66,6 +66,9 @@ def submit(
     import httpx
 
     spec: dict[str, Any] = tomllib.loads(job.read_text())
+    base = Path(str(spec.get("base_model", ""))).expanduser()
+    if spec.get("base_model") and base.exists():  # a local path means the submitter's cwd
+        spec["base_model"] = str(base.resolve())
     resp = httpx.post(f"{_api(api)}/v1/jobs", json=spec, headers=_headers(), timeout=30)
     if resp.status_code == 422:
         for err in resp.json()["detail"]:

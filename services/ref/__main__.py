@@ -10,7 +10,7 @@ from pydantic_settings import SettingsConfigDict
 
 from shared import keys
 from shared.bus import Bus, Entry
-from shared.job import load_job
+from shared.job import load_job, same_model
 from shared.schema import GroupMsg, decode, encode, pack_f32, unpack_i32
 from shared.service import ServiceRuntime, active_job_ids, setup_logging
 from shared.settings import CommonSettings
@@ -41,7 +41,7 @@ def main() -> None:
 
     def handle(e: Entry) -> None:
         rec = load_job(rt.redis, e.job_id)
-        if rec is None or rec.spec.base_model != settings.model:
+        if rec is None or not same_model(rec.spec.base_model, settings.model):
             bus.dead_letter(e, "job unknown or its base model is not this ref's model")
             return
         try:

@@ -22,7 +22,7 @@ from services.rollout.engine import Adapter, InProcessEngine
 from services.rollout.settings import RolloutSettings
 from shared import keys
 from shared.bus import Bus, Entry
-from shared.job import JobRecord, JobState, load_job
+from shared.job import JobRecord, JobState, load_job, same_model
 from shared.metrics import record_eval, record_point
 from shared.policy import StoreError, fetch_version
 from shared.schema import Completion, GroupMsg, PromptMsg, decode, encode, pack_f32, pack_i32, pack_u8
@@ -61,7 +61,7 @@ class RolloutWorker:
         live = set()
         for job_id in active_job_ids(self.rt.redis):
             rec = load_job(self.rt.redis, job_id)
-            if rec is None or rec.spec.base_model != self.s.model:
+            if rec is None or not same_model(rec.spec.base_model, self.s.model):
                 continue  # another rollout pool serves other base models
             live.add(job_id)
             view = self.jobs.setdefault(job_id, JobView(rec))
