@@ -44,9 +44,6 @@ def run_demo(home: Path, *, steps: int, keep_running: bool, console: Console) ->
         job_id = httpx.post(f"{api}/v1/jobs", json=spec, timeout=30).raise_for_status().json()["id"]
         console.print(f"submitted job [bold]{job_id}[/]")
         status = follow_job(api, job_id, {}, console)
-        status["trainer_points"] = httpx.get(
-            f"{api}/v1/jobs/{job_id}/metrics", params={"source": "trainer"}, timeout=30
-        ).json()
         print_summary(status, console)
         evals = status["evals"]
         png = plot(status, home / "demo.png")

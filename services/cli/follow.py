@@ -46,6 +46,9 @@ def follow_job(
             if state in ("cancelled", "failed") or (state == "completed" and final_eval):
                 break
             time.sleep(1.0)
+    status["trainer_points"] = httpx.get(
+        f"{api}/v1/jobs/{job_id}/metrics", params={"source": "trainer"}, headers=headers, timeout=30
+    ).json()
     return status
 
 
