@@ -1,13 +1,17 @@
 """The trajectory bus: Redis streams read through consumer groups.
 
 Guarantees (ARCHITECTURE invariants 2, 3, 8):
-- a middle stage forwards with `forward()`: XADD downstream + XACK upstream + ledger
-  counters in one MULTI/EXEC, so an entry is either handed on and acknowledged, or
-  neither (a crash in between leaves it pending, to be reclaimed and redone);
+- a middle stage forwards with `forward()`: XACK upstream, then XADD downstream and the
+  ledger counters, in one server-side script, so an entry is either handed on and
+  acknowledged, or neither (a crash in between leaves it pending, to be reclaimed and
+  redone) — and only by the consumer whose XACK removed it from the pending list, so a
+  slow consumer presumed dead cannot hand an entry on twice (`settle()`);
 - entries left pending by a dead consumer are reclaimed with XAUTOCLAIM once idle
   longer than the slowest handler (`claim_idle_ms`);
 - an entry delivered more than `max_deliveries` times, or one that does not decode,
-  goes to the job's dead-letter stream with its reason, and the stage carries on.
+  goes to the job's dead-letter stream with its reason, and the stage carries on;
+- `trim_acked()` deletes only entries every group has acknowledged, so Redis memory is
+  bounded by the in-flight window, not by the length of the run.
 """
 
 from __future__ import annotations
@@ -37,6 +41,28 @@ class Entry:
         return self.stream.split(":")[1]
 
 
+@dataclass
+class BusStats:
+    """Seconds spent inside the bus (for the "bus share of a step" measurement)."""
+
+    read_s: float = 0.0  # reads that found data waiting (excludes blocking for new data)
+    settle_s: float = 0.0
+
+
+# KEYS: input stream, ledger hash, output streams...
+# ARGV: group, entry id, field, n_outputs, payloads..., n_counters, (name, n)...
+SETTLE_LUA = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+local nout = tonumber(ARGV[4])
+for i = 1, nout do redis.call('XADD', KEYS[2 + i], '*', ARGV[3], ARGV[4 + i]) end
+local base = 5 + nout
+for j = 1, tonumber(ARGV[base]) do
+  redis.call('HINCRBY', KEYS[2], ARGV[base + 2 * j - 1], ARGV[base + 2 * j])
+end
+return 1
+"""
+
+
 def _s(x: bytes | str) -> str:
     return x.decode() if isinstance(x, bytes) else x
 
@@ -57,6 +83,8 @@ class Bus:
         self.claim_idle_ms = claim_idle_ms
         self.max_deliveries = max_deliveries
         self._last_claim = 0.0
+        self.stats = BusStats()
+        self._settle_script = r.register_script(SETTLE_LUA)
 
     @staticmethod
     def ensure_groups(r: redis.Redis, job_id: str) -> None:
@@ -77,7 +105,13 @@ class Bus:
         out = self._reclaim(streams, count)
         if out:
             return out
-        resp = self.r.xreadgroup(self.group, self.consumer, {s: ">" for s in streams}, count=count, block=block_ms)
+        # Ask without blocking first, so `stats.read_s` measures the bus's own cost (the
+        # round trip and the transfer) and not the time spent waiting for data.
+        t0 = time.perf_counter()
+        resp = self.r.xreadgroup(self.group, self.consumer, {s: ">" for s in streams}, count=count)
+        self.stats.read_s += time.perf_counter() - t0
+        if not resp:
+            resp = self.r.xreadgroup(self.group, self.consumer, {s: ">" for s in streams}, count=count, block=block_ms)
         for stream, entries in resp or []:
             for eid, fields in entries:
                 if fields is None:  # trimmed while pending: nothing to do but ack
@@ -116,22 +150,101 @@ class Bus:
         entries: list[Entry],
         out: list[tuple[str, bytes]],
         ledger: dict[str, dict[str, int]] | None = None,
-    ) -> None:
-        """Atomically: XADD each (stream, payload), XACK the inputs, bump ledger counters."""
-        pipe = self.r.pipeline(transaction=True)
-        for stream, payload in out:
-            pipe.xadd(stream, {FIELD: payload})
-        for e in entries:
-            pipe.xack(e.stream, self.group, e.id)
-        for job_id, counters in (ledger or {}).items():
-            for name, n in counters.items():
-                pipe.hincrby(keys.ledger(job_id), name, n)
-        pipe.execute()
+    ) -> int:
+        """Hand one entry on: XADD each output, XACK the input, bump ledger counters.
 
-    def ack(self, entries: list[Entry], ledger: dict[str, dict[str, int]] | None = None) -> None:
-        self.forward(entries, [], ledger)
+        With several entries and no outputs (a batch acknowledged together), each
+        entry is settled on its own and each job's counters must split one per entry.
+        Returns how many entries were settled now (not already acknowledged).
+        """
+        if len(entries) == 1:
+            counters = (ledger or {}).get(entries[0].job_id, {})
+            return self.settle([(entries[0], out, counters)])
+        if out:
+            raise ValueError("forward() with outputs takes exactly one input entry")
+        return self.ack(entries, ledger)
+
+    def ack(self, entries: list[Entry], ledger: dict[str, dict[str, int]] | None = None) -> int:
+        """Acknowledge entries; `ledger` counts must be one per entry of each job (or absent)."""
+        per_entry: dict[str, dict[str, int]] = {}
+        for job_id, counters in (ledger or {}).items():
+            n = sum(1 for e in entries if e.job_id == job_id)
+            for name, total in counters.items():
+                if total != n:
+                    raise ValueError(f"ledger counter {name}={total} for {n} entries of job {job_id}: need one each")
+            per_entry[job_id] = {name: 1 for name in counters}
+        return self.settle([(e, [], per_entry.get(e.job_id, {})) for e in entries])
+
+    def settle(self, units: list[tuple[Entry, list[tuple[str, bytes]], dict[str, int]]]) -> int:
+        """Settle each (input entry, outputs, counters) atomically and at most once.
+
+        One server-side script per unit: XACK the input, and only if that removed it
+        from the pending list, XADD the outputs and bump the counters. A consumer that
+        was presumed dead and whose entry was reclaimed and handled by another replica
+        therefore cannot hand the entry on a second time or count it twice.
+        """
+        if not units:
+            return 0
+        t0 = time.perf_counter()
+        pipe = self.r.pipeline(transaction=False)
+        for e, outputs, counters in units:
+            keys_ = [e.stream, keys.ledger(e.job_id), *(s for s, _ in outputs)]
+            args: list[bytes | str | int] = [self.group, e.id, FIELD, len(outputs), *(p for _, p in outputs)]
+            args.append(len(counters))
+            for name, n in counters.items():
+                args += [name, n]
+            self._settle_script(keys=keys_, args=args, client=pipe)
+        done = sum(int(x) for x in pipe.execute())
+        self.stats.settle_s += time.perf_counter() - t0
+        if done < len(units):
+            log.warning("%d of %d entries were already acknowledged elsewhere; skipped", len(units) - done, len(units))
+        return done
 
     def dead_letter(self, e: Entry, reason: str) -> None:
         log.error("dead-lettering %s %s: %s", e.stream, e.id, reason)
         d = DeadLetter(stream=e.stream, entry_id=e.id, reason=reason, payload=e.data, at=time.time())
         self.forward([e], [(keys.dead_letter(e.job_id), encode_dead(d))], {e.job_id: {"dead": 1}})
+
+
+# KEYS: the stream. Computes, atomically, the lowest id any group still needs — per
+# group its oldest pending entry, else the first entry after its last-delivered id —
+# and trims below it. Returns {entries removed, the bound or ""}.
+TRIM_LUA = """
+local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
+if not ok or #groups == 0 then return {0, ''} end
+local best_ms, best_seq = nil, nil
+for _, g in ipairs(groups) do
+  local info = {}
+  for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+  local bound
+  if tonumber(info['pending']) > 0 then
+    bound = redis.call('XPENDING', KEYS[1], info['name'])[2]
+  else
+    bound = info['last-delivered-id']
+  end
+  local ms, seq = string.match(bound, '(%d+)-(%d+)')
+  ms, seq = tonumber(ms), tonumber(seq)
+  if info['pending'] == 0 then seq = seq + 1 end
+  if best_ms == nil or ms < best_ms or (ms == best_ms and seq < best_seq) then
+    best_ms, best_seq = ms, seq
+  end
+end
+local minid = string.format('%d-%d', best_ms, best_seq)
+return {redis.call('XTRIM', KEYS[1], 'MINID', minid), minid}
+"""
+
+
+def trim_acked(r: redis.Redis, stream: str) -> int:
+    """Delete entries every group has acknowledged (Redis 7.0 has no XTRIM ... ACKED).
+
+    Never touches a pending or undelivered entry, so Redis memory is bounded by the
+    in-flight window rather than by the length of the run. A stream no group reads
+    yet is left alone. Returns the number of entries removed.
+    """
+    removed, _ = r.eval(TRIM_LUA, 1, stream)
+    return int(removed)
+
+
+def trim_job(r: redis.Redis, job_id: str) -> int:
+    """Trim every stage stream of a job to what is still pending or undelivered."""
+    return sum(trim_acked(r, stream) for stream in keys.job_streams(job_id))

@@ -11,16 +11,31 @@ import json
 import time
 from typing import Any
 
+import msgspec
 import redis
 
 from shared import keys
+from shared.ledger import consumed
 
 MAX_POINTS = 100_000  # per job; approximate trim keeps Redis memory bounded
 
 
+def _plain(x: Any) -> Any:
+    """numpy / torch scalars -> Python numbers (msgspec's hook for unknown types)."""
+    if hasattr(x, "item"):
+        return x.item()
+    raise TypeError(f"metric value of type {type(x).__name__} is not a number, string, list or dict")
+
+
+# NaN and infinities become null: a NaN loss must show as a gap on the dashboard, not
+# make every JSON reader (browsers' JSON.parse included) reject the whole series.
+_encode_point = msgspec.json.Encoder(enc_hook=_plain).encode
+
+
 def record_point(r: redis.Redis, job_id: str, source: str, values: dict[str, Any]) -> None:
+    """Append one point (flat JSON: source, at, then the values) to the job's series."""
     point = {"source": source, "at": time.time(), **values}
-    r.xadd(keys.metrics(job_id), {b"m": json.dumps(point)}, maxlen=MAX_POINTS, approximate=True)
+    r.xadd(keys.metrics(job_id), {b"m": _encode_point(point)}, maxlen=MAX_POINTS, approximate=True)
 
 
 def read_points(r: redis.Redis, job_id: str, source: str | None = None) -> list[dict[str, Any]]:
@@ -42,7 +57,7 @@ def read_evals(r: redis.Redis, job_id: str) -> list[dict[str, Any]]:
 
 
 def read_ledger(r: redis.Redis, job_id: str) -> dict[str, int]:
+    """The job's counters plus in_flight = fed - consumed (see shared/ledger.py)."""
     led = {k.decode(): int(v) for k, v in r.hgetall(keys.ledger(job_id)).items()}
-    consumed = led.get("trained", 0) + led.get("dead", 0) + sum(v for k, v in led.items() if k.startswith("dropped_"))
-    led["in_flight"] = led.get("fed", 0) - consumed
+    led["in_flight"] = led.get("fed", 0) - consumed(led)
     return led

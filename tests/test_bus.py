@@ -1,9 +1,12 @@
 """The bus against a real redis-server."""
 
+import time
+
 import pytest
 
 from shared import keys
-from shared.bus import FIELD, Bus
+from shared.bus import FIELD, Bus, trim_acked, trim_job
+from shared.ledger import audit
 from shared.metrics import read_ledger
 from shared.redis_conn import RedisPolicyError, check_server
 from shared.schema import decode_dead
@@ -22,7 +25,10 @@ def test_forward_is_atomic_and_acks(r):
     bus = Bus(r, keys.GROUP_ROLLOUT, "c1")
     entries = bus.read([keys.prompts(JOB)], count=10, block_ms=100)
     assert [e.data for e in entries] == [b"p0", b"p1", b"p2"]
-    bus.forward(entries, [(keys.rollouts(JOB), b"g")] * 3, {JOB: {"produced": 3}})
+    for e in entries:
+        bus.forward([e], [(keys.rollouts(JOB), b"g")], {JOB: {"produced": 1}})
+    with pytest.raises(ValueError, match="exactly one input"):
+        bus.forward(entries, [(keys.rollouts(JOB), b"g")] * 3)
     assert r.xlen(keys.rollouts(JOB)) == 3
     assert r.xpending(keys.prompts(JOB), keys.GROUP_ROLLOUT)["pending"] == 0
     assert read_ledger(r, JOB)["produced"] == 3
@@ -68,3 +74,103 @@ def test_eviction_policy_is_refused(r):
     finally:
         r.config_set("maxmemory-policy", "noeviction")
     assert any("AOF" in w for w in check_server(r)) is False  # our server runs with AOF on
+
+
+def _flow(r, n):
+    """Feed n groups the way the feeder does (XADD + fed in one step)."""
+    Bus.ensure_groups(r, JOB)
+    pipe = r.pipeline(transaction=True)
+    for i in range(n):
+        pipe.xadd(keys.prompts(JOB), {FIELD: f"g{i}".encode()})
+    pipe.hincrby(keys.ledger(JOB), "fed", n)
+    pipe.execute()
+
+
+def test_settle_is_at_most_once_when_a_slow_consumer_wakes_up(r):
+    _flow(r, 1)
+    slow = Bus(r, keys.GROUP_ROLLOUT, "slow", claim_idle_ms=20)
+    [e_slow] = slow.read([keys.prompts(JOB)], count=1, block_ms=50)
+    time.sleep(0.05)  # "slow" looks dead: another replica reclaims and hands it on
+    fast = Bus(r, keys.GROUP_ROLLOUT, "fast", claim_idle_ms=20)
+    [e_fast] = fast.read([keys.prompts(JOB)], count=1, block_ms=50)
+    assert e_fast.id == e_slow.id
+    assert fast.forward([e_fast], [(keys.rollouts(JOB), b"out")], {JOB: {"produced": 1}}) == 1
+    # The slow one finishes too: nothing is handed on twice, nothing counted twice.
+    assert slow.forward([e_slow], [(keys.rollouts(JOB), b"out")], {JOB: {"produced": 1}}) == 0
+    assert r.xlen(keys.rollouts(JOB)) == 1
+    assert read_ledger(r, JOB)["produced"] == 1
+    assert audit(r, JOB).balanced
+
+
+def test_batch_ack_needs_one_count_per_entry(r):
+    _flow(r, 2)
+    bus = Bus(r, keys.GROUP_ROLLOUT, "c")
+    entries = bus.read([keys.prompts(JOB)], count=10, block_ms=50)
+    with pytest.raises(ValueError, match="one each"):
+        bus.ack(entries, {JOB: {"trained": 1}})
+    assert bus.ack(entries, {JOB: {"trained": 2}}) == 2
+    assert read_ledger(r, JOB)["trained"] == 2
+
+
+def test_trim_never_drops_pending_or_undelivered(r):
+    _flow(r, 10)
+    bus = Bus(r, keys.GROUP_ROLLOUT, "c")
+    got = bus.read([keys.prompts(JOB)], count=6, block_ms=50)  # 6 pending, 4 undelivered
+    bus.ack([got[0], got[2], got[4]], {JOB: {"trained": 3}})
+    assert trim_acked(r, keys.prompts(JOB)) == 1  # only g0: g1 is still pending
+    assert [f[FIELD] for _, f in r.xrange(keys.prompts(JOB))] == [f"g{i}".encode() for i in range(1, 10)]
+    bus.ack([got[1], got[3], got[5]], {JOB: {"trained": 3}})
+    assert trim_acked(r, keys.prompts(JOB)) == 5  # g1..g5; g6..g9 were never delivered
+    rest = bus.read([keys.prompts(JOB)], count=10, block_ms=50)
+    assert [e.data for e in rest] == [f"g{i}".encode() for i in range(6, 10)]
+    bus.ack(rest, {JOB: {"trained": 4}})
+    assert trim_acked(r, keys.prompts(JOB)) == 4 and r.xlen(keys.prompts(JOB)) == 0
+    assert audit(r, JOB).balanced
+
+
+def test_trim_respects_the_slowest_group(r):
+    stream = keys.policy_events(JOB)
+    for g in ("a", "b"):
+        r.xgroup_create(stream, g, id="0", mkstream=True)
+    ids = [r.xadd(stream, {FIELD: b"x"}) for _ in range(4)]
+    fast = Bus(r, "a", "c")
+    fast.read([stream], count=4, block_ms=50)
+    r.xack(stream, "a", *ids)
+    assert trim_acked(r, stream) == 0  # group b has not read anything yet
+    assert trim_acked(r, "burstrl:nosuch:stream") == 0
+
+
+def test_audit_catches_an_uncounted_ack(r):
+    _flow(r, 3)
+    bus = Bus(r, keys.GROUP_ROLLOUT, "c")
+    entries = bus.read([keys.prompts(JOB)], count=3, block_ms=50)
+    a = audit(r, JOB)
+    assert a.balanced and a.in_streams["prompts"] == 3 and a.in_flight == 3
+    r.xack(keys.prompts(JOB), keys.GROUP_ROLLOUT, entries[0].id)  # a stage that forgot its counter
+    a = audit(r, JOB)
+    assert not a.balanced and "in flight" in a.problems[0]
+
+
+def test_ledger_balances_through_every_stage(r):
+    _flow(r, 5)
+    stages = [
+        (keys.GROUP_ROLLOUT, keys.prompts(JOB), keys.rollouts(JOB), "produced"),
+        (keys.GROUP_REWARD, keys.rollouts(JOB), keys.scored(JOB), "scored"),
+        (keys.GROUP_REF, keys.scored(JOB), keys.ready(JOB), "refd"),
+    ]
+    for group, src, dst, counter in stages:
+        bus = Bus(r, group, "c")
+        for e in bus.read([src], count=10, block_ms=50):
+            if e.data == b"g3":
+                bus.dead_letter(e, "poison")
+            else:
+                bus.forward([e], [(dst, e.data)], {JOB: {counter: 1}})
+            assert audit(r, JOB).balanced
+    trainer = Bus(r, keys.GROUP_TRAINER, "t")
+    ready = trainer.read([keys.ready(JOB)], count=10, block_ms=50)
+    assert len(ready) == 4
+    trainer.ack(ready[:1], {JOB: {"dropped_stale": 1}})
+    trainer.ack(ready[1:], {JOB: {"trained": 3}})
+    a = audit(r, JOB)
+    assert a.balanced and a.in_flight == 0 and a.counters["dead"] == 1 == a.dead_stream_len
+    assert trim_job(r, JOB) == 5 + 4 + 4 + 4

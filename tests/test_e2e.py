@@ -16,8 +16,7 @@ import pytest
 
 from services.cli.launch import Launcher, free_port, tail
 from services.cli.stack import stack_env
-from shared import keys
-from shared.schema import GroupMsg, decode
+from shared.ledger import audit
 from tests.conftest import RedisServer, make_bucket
 
 ROLES = ["api", "reward", "ref", "rollout", "trainer"]
@@ -106,7 +105,7 @@ def test_grpo_loop_survives_kills_and_learns(tmp_path, tiny_model, s3_endpoint):
         )
         points = httpx.get(f"{api}/v1/jobs/{job_id}/metrics", params={"source": "trainer"}, timeout=10).json()
         client = srv.client()
-        sampled_by = {decode(f[b"m"], GroupMsg).policy_version for _, f in client.xrange(keys.ready(job_id))}
+        ledger_audit = audit(client, job_id)  # one atomic snapshot: counters vs. the streams
         client.close()
     finally:
         launcher.stop_all()
@@ -115,7 +114,10 @@ def test_grpo_loop_survives_kills_and_learns(tmp_path, tiny_model, s3_endpoint):
     assert final["policy_version"] == JOB["steps"]
     assert final["ledger"]["trained"] == JOB["steps"] * JOB["batch_size"]
     assert [p["step"] for p in points] == list(range(1, JOB["steps"] + 1))  # each step once
-    # Samples were produced by the new policy versions, not only by the base model.
+    assert ledger_audit.balanced, ledger_audit.problems
+    # Samples were produced by the new policy versions, not only by the base model: the
+    # trainer's step s trained groups sampled by version s - 1 - staleness.
+    sampled_by = {p["step"] - 1 - int(k) for p in points for k in p["staleness_hist"]}
     assert max(sampled_by) >= JOB["steps"] - 2 and len(sampled_by) >= JOB["steps"] // 2
     assert all(p["staleness_max"] <= JOB["max_staleness"] for p in points)
     # Reward rose: held-out accuracy of the last version beats version 0's.

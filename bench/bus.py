@@ -1,0 +1,158 @@
+"""Bus overhead: produce -> consume -> ack through shared.bus vs raw redis-py, same bytes.
+
+Both sides move the same realistic groups (8 completions x 512 tokens, with sampler
+log-probs and a loss mask) through a redis-server this script starts (AOF everysec,
+as in production):
+- raw:  XADD of the pre-encoded bytes, XREADGROUP, XACK — the floor any design pays;
+- bus:  encode the GroupMsg, XADD, `Bus.read`, decode + validate, `Bus.ack` (the
+        at-most-once settle script with the ledger counter).
+Rounds alternate raw / bus so drift on this shared machine hits both alike; the
+ratio (bus throughput / raw throughput) is the median over rounds. Target >= 0.8.
+
+    .venv/bin/python bench/bus.py [--groups 400] [--rounds 7] [--out bench/results/bus.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.cli.launch import free_port, port_open  # noqa: E402
+from shared import keys  # noqa: E402
+from shared.bus import FIELD, Bus  # noqa: E402
+from shared.redis_conn import connect  # noqa: E402
+from shared.schema import Completion, GroupMsg, decode, encode, pack_f32, pack_i32, pack_u8  # noqa: E402
+
+G, T, BATCH = 8, 512, 8
+
+
+def make_group(i: int, rng: np.random.Generator) -> GroupMsg:
+    comps = [
+        Completion(
+            token_ids=pack_i32(rng.integers(0, 150_000, T)),
+            logprobs=pack_f32(-rng.random(T)),
+            loss_mask=pack_u8(np.ones(T)),
+            text="x" * 1500,
+            finish_reason="length",
+            reward=1.0,
+            reward_parts={"correct": 1.0},
+        )
+        for _ in range(G)
+    ]
+    return GroupMsg(
+        job_id="bench",
+        group_id=f"bench:g{i}",
+        item_id=str(i),
+        prompt="What is 12 + 30?",
+        prompt_ids=pack_i32(rng.integers(0, 150_000, 64)),
+        policy_version=1,
+        completions=comps,
+        stage="ready",
+    )
+
+
+def run_raw(r, payloads: list[bytes], stream: str) -> float:
+    r.delete(stream)
+    r.xgroup_create(stream, "g", id="0", mkstream=True)
+    t0 = time.perf_counter()
+    for p in payloads:
+        r.xadd(stream, {FIELD: p})
+    done = 0
+    while done < len(payloads):
+        resp = r.xreadgroup("g", "c", {stream: ">"}, count=BATCH)
+        for s, entries in resp:
+            r.xack(s, "g", *[eid for eid, _ in entries])
+            done += len(entries)
+    return time.perf_counter() - t0
+
+
+def run_bus(r, groups: list[GroupMsg], job: str) -> float:
+    for s in keys.job_streams(job):
+        r.delete(s)
+    r.delete(keys.ledger(job))
+    Bus.ensure_groups(r, job)
+    bus = Bus(r, keys.GROUP_TRAINER, "c")
+    stream = keys.ready(job)
+    t0 = time.perf_counter()
+    for g in groups:
+        r.xadd(stream, {FIELD: encode(g)})
+    done = 0
+    while done < len(groups):
+        entries = bus.read([stream], count=BATCH, block_ms=100)
+        for e in entries:
+            decode(e.data, GroupMsg)
+        bus.ack(entries, {job: {"trained": len(entries)}})
+        done += len(entries)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--groups", type=int, default=400)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    import shutil
+    import subprocess
+
+    port = free_port()
+    tmp = tempfile.mkdtemp(prefix="bench-bus-")
+    srv = subprocess.Popen(
+        [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1"]
+        + ["--dir", tmp, "--appendonly", "yes", "--appendfsync", "everysec", "--save", ""],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        while not port_open(port):
+            time.sleep(0.05)
+        r = connect(f"redis://127.0.0.1:{port}/0")
+        rng = np.random.default_rng(0)
+        groups = [make_group(i, rng) for i in range(a.groups)]
+        payloads = [encode(g) for g in groups]
+        mb = sum(map(len, payloads)) / 1e6
+        raw_t, bus_t, ratios = [], [], []
+        for k in range(a.rounds + 1):  # round 0 warms both paths up and is not counted
+            t_raw = run_raw(r, payloads, "bench:raw")
+            t_bus = run_bus(r, groups, "bench")
+            if k:
+                raw_t.append(t_raw)
+                bus_t.append(t_bus)
+                ratios.append(t_raw / t_bus)
+        raw_gps, bus_gps = a.groups / statistics.median(raw_t), a.groups / statistics.median(bus_t)
+        lines = [
+            "## Bus overhead (issue 3)",
+            "",
+            f"`.venv/bin/python bench/bus.py --groups {a.groups} --rounds {a.rounds}` — {a.groups} groups of "
+            f"{G} x {T} tokens ({mb / a.groups * 1000:.0f} kB each), {a.rounds} alternating rounds, redis-server "
+            "with AOF everysec on loopback.",
+            "",
+            "| path | groups/s (median) | MB/s |",
+            "|---|---|---|",
+            f"| raw redis-py XADD + XREADGROUP + XACK | {raw_gps:.0f} | {raw_gps * mb / a.groups:.0f} |",
+            f"| burstrl bus (encode, read, decode, settle + ledger) | {bus_gps:.0f} | {bus_gps * mb / a.groups:.0f} |",
+            "",
+            f"**bus / raw throughput: {statistics.median(ratios):.2f}** (median of per-round ratios; "
+            f"min {min(ratios):.2f}, max {max(ratios):.2f}; target >= 0.8)",
+            "",
+        ]
+        text = "\n".join(lines)
+        print(text)
+        if a.out:
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            a.out.write_text(text)
+    finally:
+        srv.kill()
+        srv.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
