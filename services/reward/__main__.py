@@ -2,32 +2,53 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
+from services.reward.scorer import Scorer
+from services.reward.settings import RewardSettings
 from services.reward.worker import handle
 from shared import keys
 from shared.bus import Bus
+from shared.sandbox import check_isolation
 from shared.service import ServiceRuntime, active_job_ids, setup_logging
-from shared.settings import CommonSettings
+from shared.verifiers import verifier_names
 
 
 def main() -> None:
     setup_logging("reward")
-    settings = CommonSettings()
+    settings = RewardSettings()
     rt = ServiceRuntime("reward", settings)
     rt.start()
     rt.preflight()
     scored = Counter("burstrl_reward_groups", "Groups scored", registry=rt.registry)
+    tagged = Counter(
+        "burstrl_reward_tags",
+        "Completions tagged by a verifier: errors, timeouts, sandbox limits (part!reason)",
+        ["tag"],
+        registry=rt.registry,
+    )
+    sandbox_ok = Gauge("burstrl_reward_sandbox_available", "1 when code rewards can run isolated", registry=rt.registry)
+    scorer = Scorer(settings.workers, settings.plugin_modules, settings.timeout_s)
+    ok, why = check_isolation()
+    sandbox_ok.set(1 if ok else 0)
+    rt.gauges["sandbox"] = why
+    if not ok:  # not a readiness failure: non-code jobs still score; code rewards score 0, tagged
+        rt.health.set("sandbox-info", True, f"code rewards disabled: {why}")
+    rt.health.set("verifiers", True, ", ".join(verifier_names()))
     bus = Bus(rt.redis, keys.GROUP_REWARD, settings.replica)
-    rt.health.set("verifiers", True)
+
+    def count_tags(tags: dict[str, int]) -> None:
+        for t, n in tags.items():
+            tagged.labels(t).inc(n)
 
     def tick() -> None:
         streams = [keys.rollouts(j) for j in active_job_ids(rt.redis)]
-        entries = bus.read(streams, count=32, block_ms=1000)
-        scored.inc(handle(bus, entries))
+        entries = bus.read(streams, count=settings.batch, block_ms=1000)
+        scored.inc(handle(bus, entries, scorer, count_tags))
 
     while not rt.stop.is_set():
         rt.survive(tick)
+    scorer.close()
     rt.shutdown()
 
 

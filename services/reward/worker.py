@@ -3,38 +3,84 @@
 from __future__ import annotations
 
 import logging
+import time
+from collections import defaultdict
+from typing import Any
 
 import msgspec
 
+from services.reward.scorer import GroupWork, Scorer
 from shared import keys
 from shared.bus import Bus, Entry
 from shared.job import JobRecord, load_job
+from shared.metrics import record_point
 from shared.schema import GroupMsg, decode, encode
-from shared.tasks import get_task
 from shared.tasks.base import total
+from shared.verifiers import split_parts
 
 log = logging.getLogger(__name__)
 
 
-def score_group(group: GroupMsg, rec: JobRecord) -> GroupMsg:
-    """Fill reward and reward_parts of every completion. Verifier errors score 0, tagged."""
-    task = get_task(rec.spec.task)
-    for c in group.completions:
-        try:
-            parts = task.score(c.text, group.fields)
-        except Exception as e:  # a verifier bug must not take the stage down
-            log.warning("verifier %s failed on %s: %s", rec.spec.task, group.group_id, e)
-            parts = {"verifier_error": 0.0}
-        c.reward_parts = parts
-        c.reward = total(parts)
+def work_for(group: GroupMsg, rec: JobRecord) -> GroupWork:
+    spec = rec.spec
+    ts = getattr(spec, "task_spec", None)
+    return GroupWork(
+        task=spec.task,
+        verifier=spec.verifier,
+        spec_json=ts.model_dump_json() if ts is not None else "{}",
+        completions=[c.text for c in group.completions],
+        fields=dict(group.fields),
+        prompt=group.prompt,
+        completion_tokens=[len(c.token_ids) // 4 for c in group.completions],  # int32 packed
+        max_tokens=spec.sampling.max_tokens,
+        timeout_s=ts.timeout_s if ts is not None else 60.0,
+    )
+
+
+def apply_scores(group: GroupMsg, parts: list[dict[str, float]]) -> GroupMsg:
+    for c, p in zip(group.completions, parts, strict=True):
+        c.reward_parts = p
+        c.reward = total(p)
     group.stage = "scored"
     return group
 
 
-def handle(bus: Bus, entries: list[Entry]) -> int:
-    """Score a batch of entries; each is forwarded (or dead-lettered) atomically."""
+class JobStats:
+    """Per-job reward breakdown of one batch, recorded as one metrics point."""
+
+    def __init__(self) -> None:
+        self.groups = 0
+        self.rewards: list[float] = []
+        self.parts: dict[str, list[float]] = defaultdict(list)
+        self.tags: dict[str, int] = defaultdict(int)
+
+    def add(self, group: GroupMsg) -> None:
+        self.groups += 1
+        for c in group.completions:
+            self.rewards.append(c.reward)
+            values, tags = split_parts(c.reward_parts)
+            for k, v in values.items():
+                self.parts[k].append(v)
+            for t in tags:
+                self.tags[t] += 1
+
+    def point(self, seconds: float) -> dict[str, Any]:
+        n = max(1, len(self.rewards))
+        return {
+            "groups": self.groups,
+            "completions": len(self.rewards),
+            "reward_mean": sum(self.rewards) / n,
+            "reward_parts": {k: sum(v) / len(v) for k, v in self.parts.items()},
+            "reward_tags": dict(self.tags),
+            "seconds": round(seconds, 3),
+        }
+
+
+def handle(bus: Bus, entries: list[Entry], scorer: Scorer, on_tags: Any = None) -> int:
+    """Score a batch of entries (in parallel); each is forwarded (or dead-lettered) atomically."""
+    t0 = time.monotonic()
     jobs: dict[str, JobRecord | None] = {}
-    done = 0
+    todo: list[tuple[Entry, GroupMsg, JobRecord]] = []
     for e in entries:
         if e.job_id not in jobs:
             jobs[e.job_id] = load_job(bus.r, e.job_id)
@@ -50,10 +96,18 @@ def handle(bus: Bus, entries: list[Entry]) -> int:
         if group.stage != "rolled":
             bus.dead_letter(e, f"group at stage {group.stage!r}, expected 'rolled'")
             continue
-        out = score_group(group, rec)
+        todo.append((e, group, rec))
+    results = scorer.score([work_for(g, rec) for _, g, rec in todo])
+    stats: dict[str, JobStats] = defaultdict(JobStats)
+    for (e, group, rec), parts in zip(todo, results, strict=True):
+        out = apply_scores(group, parts)
         dest = keys.scored(e.job_id) if rec.spec.uses_ref else keys.ready(e.job_id)
         if not rec.spec.uses_ref:
             out.stage = "ready"
         bus.forward([e], [(dest, encode(out))], {e.job_id: {"scored": 1}})
-        done += 1
-    return done
+        stats[e.job_id].add(out)
+    for job_id, st in stats.items():
+        if on_tags is not None:
+            on_tags(st.tags)
+        record_point(bus.r, job_id, "reward", st.point(time.monotonic() - t0))
+    return len(todo)

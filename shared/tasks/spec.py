@@ -1,0 +1,101 @@
+"""A job's task configuration (`JobSpec.task_spec`): prompt source, template, verifiers.
+
+The defaults keep a job exactly as before: prompts, template and verifier all come
+from the registered task named by `JobSpec.task` (e.g. "arith").
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+JsonScalar = str | int | float | bool | None
+_PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+class VerifierRef(BaseModel):
+    """One component of the reward: a registered verifier, its weight and arguments."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(..., min_length=1, description="Registered verifier name (exact, math, code, regex, ...).")
+    weight: float = Field(1.0, ge=-100.0, le=100.0, description="Its reward is multiplied by this.")
+    part: str = Field("", pattern=r"^[A-Za-z0-9_.-]{0,48}$", description="Name in reward_parts; default: name.")
+    args: dict[str, JsonScalar | list[JsonScalar]] = Field(
+        default_factory=dict, description="Keyword arguments for the verifier (e.g. pattern for regex)."
+    )
+
+
+class SourceSpec(BaseModel):
+    """Prompts from local files or the local Hugging Face cache (never downloaded at run time)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["jsonl", "parquet", "hf"] = Field(..., description="File format, or a `datasets` dataset.")
+    path: str = Field(
+        ...,
+        min_length=1,
+        description="jsonl/parquet: a file path. hf: a save_to_disk folder, a data file, or a dataset name "
+        "already in the local cache.",
+    )
+    config: str = Field("", description="hf: dataset config name.")
+    split: str = Field("train", description="hf: the split prompts come from.")
+    heldout_split: str = Field("", description="hf: a split used as held-out; empty: a hash split of `split`.")
+    heldout_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Share of rows held out by hash.")
+    prompt_field: str = Field("prompt", min_length=1, description="Column holding the prompt text.")
+    id_field: str = Field("", description="Column holding a stable row id; empty: a hash of the prompt.")
+    fields: list[str] = Field(
+        default_factory=lambda: ["answer"], description="Columns passed to verifiers (non-strings as JSON)."
+    )
+
+
+class TaskSpec(BaseModel):
+    """How a job gets prompts and rewards. Empty = the registered task's own behaviour."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: SourceSpec | None = Field(None, description="Prompt source; empty: the task named by `task`.")
+    template: str = Field(
+        "",
+        max_length=20_000,
+        description="Prompt template with {prompt} and {field} placeholders ({{ }} for braces); empty: as is.",
+    )
+    verifiers: list[VerifierRef] = Field(
+        default_factory=list, max_length=16, description="Weighted reward components; empty: the task's own."
+    )
+    timeout_s: float = Field(60.0, gt=0.0, le=3600.0, description="Deadline to score one group.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.source is not None and not self.verifiers:
+            raise ValueError("task_spec.source needs task_spec.verifiers, e.g. [{name = 'math'}]")
+        parts = [v.part or v.name for v in self.verifiers]
+        if len(set(parts)) != len(parts):
+            raise ValueError(f"task_spec.verifiers parts must be distinct (set `part`), got {parts}")
+        if self.template:
+            render_template(self.template, {"prompt": ""}, check_only=True)
+        return self
+
+
+def render_template(template: str, values: dict[str, str], *, check_only: bool = False) -> str:
+    """Substitute {name} placeholders; no attribute or index access (a template is user input)."""
+
+    def sub(m: re.Match[str]) -> str:
+        tok = m.group(0)
+        if tok in ("{{", "}}"):
+            return tok[0]
+        if check_only:
+            return ""
+        name = m.group(1)
+        if name not in values:
+            raise KeyError(f"template placeholder {{{name}}} is not a field of this item ({sorted(values)})")
+        return values[name]
+
+    if not check_only:
+        return _PLACEHOLDER.sub(sub, template)
+    stripped = _PLACEHOLDER.sub(sub, template)
+    if "{" in stripped or "}" in stripped:
+        raise ValueError("template braces must be {name} placeholders or doubled {{ }}")
+    return ""

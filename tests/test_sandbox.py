@@ -1,0 +1,185 @@
+"""The code sandbox against real abuse: each case runs a real isolated process.
+
+Every abuse must score 0 with a reason, leave no process behind, and leave the
+sandbox working for the next run. Limits are kept tight so a fork bomb can't hurt a
+shared machine.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from shared.sandbox import HARNESS_PATH, Limits, RunResult, check_isolation, run_code, settings
+
+ok, why = check_isolation()
+pytestmark = pytest.mark.skipif(not ok, reason=f"sandbox unavailable here: {why}")
+
+TIGHT = Limits(cpu_s=1, wall_s=4.0, memory_mb=256, nproc=32, nofile=64, max_output=1 << 16)
+ADD = [{"stdin": "1 2", "stdout": "3"}, {"stdin": "5 7", "stdout": "12"}]
+DOUBLE = [{"call": "f", "args": [2], "expected": 4}, {"call": "f", "args": [[1]], "expected": [1, 1]}]
+GOOD_ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
+
+
+def sandbox_pids() -> list[int]:
+    """Processes running as any uid of the sandbox pool (there must be none between runs)."""
+    s = settings()
+    lo, hi = s.uid_base, s.uid_base + s.uid_count
+    pids = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            uid = int(next(ln for ln in (p / "status").read_text().splitlines() if ln.startswith("Uid:")).split()[1])
+        except (OSError, StopIteration):
+            continue
+        if lo <= uid < hi:
+            pids.append(int(p.name))
+    return pids
+
+
+def assert_zero(r: RunResult, *reasons: str) -> None:
+    assert r.passed == 0 and r.fraction == 0.0, r
+    assert any(r.reason.startswith(x) for x in reasons), r
+    # the machine is left clean and the sandbox still works
+    assert sandbox_pids() == [], "a sandboxed process outlived its run"
+    assert run_code(GOOD_ADD, ADD, TIGHT).fraction == 1.0
+
+
+def test_correct_program_and_function() -> None:
+    assert run_code(GOOD_ADD, ADD, TIGHT).fraction == 1.0
+    r = run_code("def f(x):\n    return x * 2\n", DOUBLE, TIGHT)
+    assert r.fraction == 1.0 and r.reason == "ok"
+    r = run_code("def f(x):\n    return x + x if isinstance(x, int) else x\n", DOUBLE, TIGHT)
+    assert r.fraction == 0.5 and r.reason == "wrong_answer"
+
+
+def test_floats_compare_with_tolerance_and_types_strictly() -> None:
+    tests = [{"call": "f", "args": [], "expected": 0.3}, {"call": "g", "args": [], "expected": 1}]
+    r = run_code("def f():\n    return 0.1 + 0.2\ndef g():\n    return True\n", tests, TIGHT)
+    assert [t.passed for t in r.tests] == [True, False]  # True is not 1
+
+
+def test_sys_exit_zero_is_not_a_pass() -> None:
+    assert_zero(run_code("import sys\nsys.exit(0)\n", ADD, TIGHT), "wrong_answer")
+    # a real program ending in sys.exit() still counts
+    assert run_code(GOOD_ADD + "import sys\nsys.exit(0)\n", ADD, TIGHT).fraction == 1.0
+
+
+def test_os_exit_zero() -> None:
+    assert_zero(run_code("import os\nos._exit(0)\n", ADD, TIGHT), "exited_early")
+
+
+def test_infinite_loop_hits_cpu_limit() -> None:
+    t0 = time.monotonic()
+    assert_zero(run_code("while True:\n    pass\n", ADD, TIGHT), "cpu_time_limit", "wall_time_limit")
+    assert time.monotonic() - t0 < TIGHT.wall_s + 3
+
+
+def test_sleeping_forever_hits_wall_limit() -> None:
+    lim = Limits(cpu_s=1, wall_s=1.5)
+    assert_zero(run_code("import time\ntime.sleep(1000)\n", ADD, lim), "wall_time_limit")
+
+
+def test_fork_bomb() -> None:
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    t0 = time.monotonic()
+    r = run_code(bomb, ADD, Limits(cpu_s=1, wall_s=2.0, nproc=16))
+    assert time.monotonic() - t0 < 6
+    assert_zero(r, "wall_time_limit", "cpu_time_limit", "killed", "exited_early")
+
+
+def test_detached_children_die_with_the_run() -> None:
+    # a child that starts its own session and ignores SIGTERM must still be gone
+    code = (
+        "import os, signal, time\n"
+        "if os.fork() == 0:\n    os.setsid()\n    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n    time.sleep(60)\n"
+        "print('nope')\n"
+    )
+    assert_zero(run_code(code, ADD, TIGHT), "wrong_answer")
+
+
+def test_memory_bomb() -> None:
+    assert_zero(run_code("x = bytearray(2 * 1024**3)\n", ADD, TIGHT), "runtime_error:MemoryError")
+    grow = "xs = []\nwhile True:\n    xs.append(bytearray(16 * 1024**2))\n"
+    assert_zero(run_code(grow, ADD, TIGHT), "runtime_error:MemoryError", "killed")
+
+
+def test_no_network_not_even_loopback() -> None:
+    import socket
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    port = srv.getsockname()[1]
+    try:
+        for host in ("1.1.1.1", "127.0.0.1"):
+            code = f"import socket\nsocket.create_connection(({host!r}, {port if host == '127.0.0.1' else 80}), 1)\nprint(3)\nprint(12)\n"
+            assert_zero(run_code(code, ADD, TIGHT), "runtime_error:")
+    finally:
+        srv.close()
+
+
+def test_writes_outside_its_directory_fail(tmp_path: Path) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("intact")
+    os.chmod(tmp_path, 0o777)  # even a world-writable directory outside stays out of reach
+    for target in (str(victim), str(tmp_path / "new.txt"), "/etc/passwd", "/var/tmp/x", "/dev/shm/x", __file__):
+        code = f"open({target!r}, 'a').write('pwned')\nprint(3)\n"
+        r = run_code(code, ADD[:1], TIGHT)
+        assert r.passed == 0 and r.reason.startswith("runtime_error:"), (target, r)
+    assert victim.read_text() == "intact"
+    assert not (tmp_path / "new.txt").exists()
+    # its own private directory is writable
+    code = "open('scratch.txt', 'w').write('3')\nprint(open('/tmp/scratch.txt').read())\n"
+    assert run_code(code, ADD[:1], TIGHT).fraction == 1.0
+
+
+def test_overwriting_the_harness_fails() -> None:
+    before = HARNESS_PATH.read_bytes()
+    code = f"open({str(HARNESS_PATH)!r}, 'w').write('print(\"PASS\")')\n"
+    assert_zero(run_code(code, ADD, TIGHT), "runtime_error:PermissionError", "runtime_error:OSError")
+    assert HARNESS_PATH.read_bytes() == before
+
+
+def test_monkey_patching_the_harness_cannot_fake_a_pass() -> None:
+    # Patch everything the in-sandbox reporter uses and claim success in every way we can:
+    # the expected values never enter the sandbox, so the parent's comparison still fails.
+    code = (
+        "import json, sys, os\n"
+        'json.dumps = lambda *a, **k: \'{"i": 0, "passed": true, "done": true}\'\n'
+        "main = sys.modules['__main__']\n"
+        "main.run_tests = lambda *a, **k: None\n"
+        "for fd in range(3, 12):\n"
+        "    try:\n"
+        '        os.write(fd, b\'{"done": true}\\n{"i": 0, "ret": "4", "passed": true}\\n\')\n'
+        "    except OSError:\n"
+        "        pass\n"
+        "def f(x):\n    return 'PASS'\n"
+    )
+    assert_zero(run_code(code, DOUBLE, TIGHT), "wrong_answer", "report_corrupted")
+
+
+def test_printing_gigabytes() -> None:
+    assert_zero(run_code("while True:\n    print('x' * 10**6)\n", ADD, TIGHT), "output_limit")
+    raw = "import os\nwhile True:\n    for fd in (1, 2, 3, 4, 5):\n        try:\n            os.write(fd, b'x' * 65536)\n        except OSError:\n            pass\n"
+    assert_zero(run_code(raw, ADD, TIGHT), "output_limit", "cpu_time_limit", "report_corrupted")
+
+
+def test_open_files_and_big_files_are_capped() -> None:
+    fds = "fs = [open('/dev/null') for _ in range(1000)]\nprint(3)\n"
+    assert_zero(run_code(fds, ADD[:1], TIGHT), "runtime_error:OSError")
+    big = "with open('big', 'wb') as f:\n    f.write(b'x' * (64 * 1024**2))\nprint(3)\n"
+    assert_zero(run_code(big, ADD[:1], TIGHT), "runtime_error:", "file_size_limit")
+
+
+def test_sees_only_its_own_processes() -> None:
+    code = "import os\nprint(len([p for p in os.listdir('/proc') if p.isdigit()]) < 5)\n"
+    assert run_code(code, [{"stdin": "", "stdout": "True"}], TIGHT).fraction == 1.0
+
+
+def test_syntax_error() -> None:
+    assert_zero(run_code("def f(:\n", DOUBLE, TIGHT), "syntax_error")
