@@ -1,8 +1,15 @@
-"""`python -m services.trainer`: claims a running job and trains it (one job at a time)."""
+"""`python -m services.trainer [--time-budget S] [--deadline T]`: claims a running job and trains it.
+
+One job at a time. Under torchrun (WORLD_SIZE > 1) rank 0 is the service (HTTP, heartbeat,
+Redis, store) and the other ranks follow it (see distributed.py).
+"""
 
 from __future__ import annotations
 
+import argparse
 import logging
+import time
+from datetime import datetime
 
 from services.trainer.settings import TrainerSettings
 from shared import keys
@@ -12,20 +19,53 @@ from shared.store import open_store
 log = logging.getLogger("burstrl.trainer")
 
 
-def main() -> None:
+def _deadline(value: str) -> float:
+    """A unix time, or an ISO 8601 date-time (local time when it has no zone)."""
+    try:
+        return float(value)
+    except ValueError:
+        return datetime.fromisoformat(value).timestamp()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m services.trainer", description=__doc__)
+    p.add_argument("--time-budget", type=float, default=None, help="Session length in seconds from now.")
+    p.add_argument("--deadline", type=_deadline, default=None, help="Session end: unix time or ISO 8601.")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    started = time.time()  # the budget counts model loading and resuming too
+    args = parse_args(argv)
     setup_logging("trainer")
     settings = TrainerSettings()
-    rt = ServiceRuntime("trainer", settings)
-    rt.start()
+    if args.time_budget is not None:
+        settings.time_budget_s = args.time_budget
+    if args.deadline is not None:
+        settings.deadline = args.deadline
+
     import torch
 
+    from services.trainer.distributed import CMD_EXIT, CMD_STEP, Comm
     from services.trainer.loop import JobTrainer, claim_job
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    rt.preflight()
+    comm = Comm.from_env()
     store = open_store(settings.store_url)
+    if not comm.is_main:
+        _follower(settings, store, comm)
+        return
+
+    rt = ServiceRuntime("trainer", settings)
+    rt.start()
+    rt.preflight()
     rt.health.set("store", True)
+    if settings.time_budget_s or settings.deadline:
+        log.info(
+            "session budget: %.0fs",
+            min(d for d in (settings.deadline, started + settings.time_budget_s) if d) - started,
+        )
 
     def tick() -> None:
         rec = claim_job(rt, settings)
@@ -34,14 +74,44 @@ def main() -> None:
             rt.stop.wait(1.0)
             return
         rt.health.set("job", True, f"training {rec.id}")
+        if comm.world > 1:
+            comm.broadcast_int(CMD_STEP)
+            comm.broadcast_bytes([rec.model_dump_json().encode()])
         try:
-            JobTrainer(rt, settings, store, rec).run()
+            JobTrainer(rt, settings, store, rec, comm=comm, session_start=started).run()
         finally:
             rt.redis.delete(keys.trainer_lease(rec.id))
 
-    while not rt.stop.is_set():
-        rt.survive(tick)
-    rt.shutdown()
+    try:
+        while not rt.stop.is_set():
+            if comm.world > 1:
+                tick()  # no survive-and-retry: the followers would hang in a collective
+            else:
+                rt.survive(tick)
+    finally:
+        if comm.world > 1:
+            comm.broadcast_int(CMD_EXIT)
+        rt.shutdown()
+
+
+def _follower(settings: TrainerSettings, store, comm) -> None:  # noqa: ANN001
+    """Ranks > 0: build the same JobTrainer for each job rank 0 announces and follow its steps."""
+    import signal
+    import threading
+    from types import SimpleNamespace
+
+    from services.trainer.distributed import CMD_STEP
+    from services.trainer.loop import JobTrainer
+    from shared.job import JobRecord
+    from shared.redis_conn import connect
+
+    # torchrun forwards SIGTERM to every rank; a follower must outlive it so that rank 0's
+    # exit checkpoint and its final STOP broadcast can complete.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    rt = SimpleNamespace(redis=connect(settings.redis_url), stop=threading.Event(), gauges={})
+    while comm.broadcast_int(0) == CMD_STEP:
+        rec = JobRecord.model_validate_json(comm.broadcast_bytes(None)[0])
+        JobTrainer(rt, settings, store, rec, comm=comm).run()  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":

@@ -1,28 +1,57 @@
-"""Trainer checkpoints in the object store: adapter, optimizer, RNG and progress.
+"""Trainer checkpoints in the object store: weights, optimizer, scheduler, RNG and progress.
 
-jobs/{job}/trainer/step-{N}/ holds adapter_model.safetensors, adapter_config.json,
-optimizer.safetensors and state.json, then manifest.json (sha256 of each) written
-last: a checkpoint without a manifest does not exist, and hashes are checked on load.
-Everything is safetensors or JSON; nothing is pickled.
+jobs/{job}/trainer/step-{N}/ holds the policy files (LoRA adapter or full weights),
+optimizer.safetensors (optimizer state + torch RNG states) and state.json (step, the
+scheduler, python/numpy RNG, data position, the groups of the last interval), then
+manifest.json (sha256 of each) written last: a checkpoint without a manifest does not
+exist, and every hash is checked on load. Everything is safetensors or JSON; nothing is
+pickled.
+
+Why `trained_groups` holds only the groups trained since the previous checkpoint: the
+trainer acknowledges a group on the bus right after the checkpoint containing it is
+stored, and checkpoints are written in order, so when checkpoint N is written every group
+of checkpoints < N has already been acknowledged and can never be redelivered. Only the
+last interval's groups can come back (a crash between storing N and acknowledging its
+groups), and those are what a resumed trainer must recognise and acknowledge instead of
+re-training. That bounds state.json by checkpoint_every x batch_size ids. (A stream-id
+watermark would be smaller, but entries are not trained in stream order: pending entries
+are redelivered first and dropped ones are skipped, so a watermark cannot tell them apart.)
 """
 
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load, save
 
 from shared.store import MANIFEST, ObjectStore, get_folder, put_folder
 
+OPTIMIZER = "optimizer.safetensors"
+STATE = "state.json"
+
 
 @dataclass
 class TrainState:
     step: int = 0
-    trained_groups: list[str] = field(default_factory=list)
+    trained_groups: list[str] = field(default_factory=list)  # groups of the last checkpoint interval only
+    # Data position: totals consumed from the ready stream and the last entry id trained.
+    data: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Checkpoint:
+    state: TrainState
+    files: dict[str, bytes]  # the policy files (adapter or full weights)
+    opt_tensors: dict[str, torch.Tensor]
+    param_groups: list[dict]
+    scheduler: dict[str, Any] | None
+    rng: dict[str, Any]
 
 
 def ckpt_prefix(job_id: str, step: int) -> str:
@@ -49,32 +78,106 @@ def optimizer_from_tensors(opt: torch.optim.Optimizer, tensors: dict[str, torch.
     opt.load_state_dict({"state": state, "param_groups": groups})
 
 
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    """A scheduler state dict minus what JSON cannot hold (LambdaLR stores its lambdas as None)."""
+    out = {}
+    for k, v in d.items():
+        try:
+            json.dumps(v)
+        except TypeError:
+            continue
+        out[k] = v
+    return out
+
+
+def rng_capture() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Every RNG the trainer might draw from: torch (CPU, each GPU) as tensors, python/numpy as JSON."""
+    tensors = {"rng.torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"rng.cuda.{i}"] = s
+    py = random.getstate()
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    meta = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
+    }
+    return tensors, meta
+
+
+def rng_restore(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    if "rng.torch" in tensors:
+        torch.set_rng_state(tensors["rng.torch"])
+    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("rng.cuda.")]
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+    if "python" in meta:
+        v, keys, gauss = meta["python"]
+        random.setstate((v, tuple(keys), gauss))
+    if "numpy" in meta:
+        kind, keys, pos, has_gauss, gauss = meta["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+
+
 def save_checkpoint(
-    store: ObjectStore, job_id: str, state: TrainState, adapter: dict[str, bytes], opt: torch.optim.Optimizer
+    store: ObjectStore,
+    job_id: str,
+    state: TrainState,
+    files: dict[str, bytes],
+    opt: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
 ) -> str:
+    """Upload files, optimizer and state, then the manifest (the checkpoint exists from then on)."""
     tensors, groups = optimizer_to_tensors(opt)
-    tensors["rng.torch"] = torch.get_rng_state()
-    files = dict(adapter)
-    files["optimizer.safetensors"] = save(tensors)
-    files["state.json"] = json.dumps(
-        {"step": state.step, "trained_groups": state.trained_groups, "extra": state.extra, "param_groups": groups}
+    rng_tensors, rng_meta = rng_capture()
+    tensors.update(rng_tensors)
+    out = dict(files)
+    out[OPTIMIZER] = save(tensors)
+    out[STATE] = json.dumps(
+        {
+            "step": state.step,
+            "trained_groups": state.trained_groups,
+            "data": state.data,
+            "extra": state.extra,
+            "param_groups": groups,
+            "scheduler": _jsonable(scheduler.state_dict()) if scheduler is not None else None,
+            "rng": rng_meta,
+        }
     ).encode()
     prefix = ckpt_prefix(job_id, state.step)
-    put_folder(store, prefix, files, {"step": state.step})
+    put_folder(store, prefix, out, {"step": state.step})
     return prefix
 
 
+def checkpoint_steps(store: ObjectStore, job_id: str) -> list[int]:
+    """Steps with a complete (manifested) checkpoint, ascending."""
+    keys = store.list(f"jobs/{job_id}/trainer/")
+    return sorted(int(k.split("/")[3][5:]) for k in keys if k.endswith("/" + MANIFEST) and k.count("/") == 4)
+
+
 def latest_checkpoint(store: ObjectStore, job_id: str) -> int | None:
-    steps = [int(k.split("/")[3][5:]) for k in store.list(f"jobs/{job_id}/trainer/") if k.endswith("/" + MANIFEST)]
-    return max(steps) if steps else None
+    steps = checkpoint_steps(store, job_id)
+    return steps[-1] if steps else None
 
 
-def load_checkpoint(
-    store: ObjectStore, job_id: str, step: int
-) -> tuple[TrainState, dict[str, bytes], dict[str, torch.Tensor], list[dict]]:
-    """Verified files of a checkpoint: state, adapter files, optimizer tensors, param groups."""
+def load_checkpoint(store: ObjectStore, job_id: str, step: int) -> Checkpoint:
+    """The verified files of a checkpoint (raises VerificationError on any hash mismatch)."""
     _, files = get_folder(store, ckpt_prefix(job_id, step))
-    meta = json.loads(files.pop("state.json"))
-    opt_tensors = load(files.pop("optimizer.safetensors"))
-    state = TrainState(step=meta["step"], trained_groups=meta["trained_groups"], extra=meta["extra"])
-    return state, files, opt_tensors, meta["param_groups"]
+    meta = json.loads(files.pop(STATE))
+    opt_tensors = load(files.pop(OPTIMIZER))
+    state = TrainState(
+        step=meta["step"], trained_groups=meta["trained_groups"], data=meta.get("data", {}), extra=meta["extra"]
+    )
+    return Checkpoint(state, files, opt_tensors, meta["param_groups"], meta.get("scheduler"), meta.get("rng", {}))
+
+
+def prune_checkpoints(store: ObjectStore, job_id: str, keep: int) -> list[int]:
+    """Delete all but the newest `keep` checkpoints: manifest first, so none is ever half there."""
+    steps = checkpoint_steps(store, job_id)
+    gone = steps[:-keep] if keep > 0 else []
+    for step in gone:
+        prefix = ckpt_prefix(job_id, step)
+        store.delete(f"{prefix}/{MANIFEST}")
+        for key in store.list(prefix + "/"):
+            store.delete(key)
+    return gone

@@ -1,38 +1,48 @@
 """The trainer: claim a job, gather batches from its ready stream, step, publish, ack.
 
-Order per step (ARCHITECTURE invariant 2): train -> checkpoint (adapter, optimizer, the
-ids of the groups trained) -> publish policy v{step} -> XACK those entries + ledger in
-one MULTI -> move the policy pointer. A crash anywhere leaves the entries pending; on
-restart the trainer restores the newest checkpoint, re-publishes its version if that
-was lost, acks redelivered groups the checkpoint already contains, and re-trains the
-rest: each group counts exactly once.
+Order per step (ARCHITECTURE invariant 2): train -> [checkpoint every N steps: weights,
+optimizer, scheduler, RNG, data position, the ids of the groups trained since the
+previous checkpoint] -> publish policy v{step} -> [after a checkpoint: XACK the entries
+it holds + ledger in one MULTI] -> move the policy pointer. A crash anywhere leaves the
+unacknowledged entries pending; on restart the trainer restores the newest checkpoint,
+re-publishes its version if that was lost, acks redelivered groups the checkpoint
+already contains, and re-trains the rest first: each group counts exactly once.
+
+Burst sessions: with a time budget (or deadline) the trainer measures its own step and
+save-and-upload times and, before the budget runs out, checkpoints and exits cleanly;
+on SIGTERM it abandons a batch it has not yet applied (it stays pending for the next
+session), checkpoints what it has, and exits 0.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter, deque
 
 import msgspec
 import torch
 
-from services.trainer.batch import collate
 from services.trainer.checkpoint import (
     TrainState,
     latest_checkpoint,
     load_checkpoint,
     optimizer_from_tensors,
+    prune_checkpoints,
+    rng_restore,
     save_checkpoint,
 )
-from services.trainer.grpo import group_advantages, policy_loss, token_logprobs
-from services.trainer.policy import ADAPTER_WEIGHTS, adapter_files, load_adapter_weights, load_policy
+from services.trainer.distributed import CMD_STEP, CMD_STOP, Comm
+from services.trainer.learner import Aborted, Learner, StepResult
+from services.trainer.policy import load_policy, load_policy_files, policy_files
+from services.trainer.probe import compute_probe
 from services.trainer.settings import TrainerSettings
 from shared import keys
 from shared.bus import Bus, Entry
 from shared.job import JobRecord, JobState, load_job, save_job
 from shared.metrics import record_point
 from shared.policy import MANIFEST, Manifest, publish_version, version_prefix
-from shared.schema import GroupMsg, PolicyPublished, decode, encode
+from shared.schema import Completion, GroupMsg, PolicyPublished, decode, encode, unpack_f32
 from shared.service import ServiceRuntime, active_job_ids
 from shared.store import ObjectStore
 
@@ -40,64 +50,168 @@ log = logging.getLogger(__name__)
 CONSUMER = "trainer"  # one trainer per job (leased), so a fixed name finds its own pending entries
 
 
+def _arrays_consistent(c: Completion) -> bool:
+    """int32 ids, float32 log-probs, uint8 mask (and float32 ref log-probs) of one length, not empty."""
+    n = len(c.token_ids) // 4
+    return (
+        n > 0
+        and len(c.token_ids) == 4 * n
+        and len(c.logprobs) == 4 * n
+        and len(c.loss_mask) == n
+        and (not c.ref_logprobs or len(c.ref_logprobs) == 4 * n)
+    )
+
+
+def _zero_variance(g: GroupMsg, tol: float = 1e-6) -> bool:
+    rewards = [c.reward for c in g.completions]
+    return max(rewards) - min(rewards) <= tol
+
+
 class JobTrainer:
-    def __init__(self, rt: ServiceRuntime, settings: TrainerSettings, store: ObjectStore, rec: JobRecord) -> None:
+    def __init__(
+        self,
+        rt: ServiceRuntime,
+        settings: TrainerSettings,
+        store: ObjectStore,
+        rec: JobRecord,
+        *,
+        comm: Comm | None = None,
+        session_start: float | None = None,
+    ) -> None:
         self.rt, self.s, self.store, self.rec = rt, settings, store, rec
+        self.comm = comm or Comm()
         self.r = rt.redis
         self.bus = Bus(self.r, keys.GROUP_TRAINER, CONSUMER)
         spec = rec.spec
         self.device = settings.device if settings.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         self.model, self.tok = load_policy(
-            spec.base_model, rank=spec.lora_rank, alpha=spec.lora_alpha, device=self.device, seed=spec.seed
+            spec.base_model,
+            rank=spec.lora_rank,
+            alpha=spec.lora_alpha,
+            device=self.device,
+            seed=spec.seed,
+            finetune=spec.algorithm.finetune,
+            gradient_checkpointing=settings.gradient_checkpointing,
         )
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(params, lr=spec.learning_rate, weight_decay=0.0)
+        self.learner = Learner(
+            self.model,
+            spec,
+            pad_id=self.tok.pad_token_id or 0,
+            grad_clip=settings.grad_clip,
+            device=self.device,
+            world=self.comm.world,
+            rank=self.comm.rank,
+        )
         self.state = TrainState()
-        self.trained = set()
+        self.ckpt_groups: set[str] = set()  # the newest checkpoint's interval: may be redelivered
+        self._bus_seen = 0.0  # bus seconds already reported in a metric point
+        self.since_ckpt: list[tuple[Entry, str]] = []  # trained, not yet in a checkpoint (so not acked)
         self.pending: list[tuple[Entry, GroupMsg]] = []
+        self.dropped_zero_var = 0  # this session, for metrics (the ledger holds the durable count)
+        # Budget: measured durations (seconds) of recent steps and checkpoint saves.
+        start = session_start if session_start is not None else time.time()
+        deadlines = [
+            d for d in (settings.deadline, start + settings.time_budget_s if settings.time_budget_s else 0) if d
+        ]
+        self.deadline = min(deadlines) if deadlines else 0.0
+        self.step_times: deque[float] = deque(maxlen=5)
+        self.save_times: deque[float] = deque(maxlen=5)
+        self.publish_times: deque[float] = deque(maxlen=5)
+        self.exit_reason = ""
         self._restore()
 
     # -- resume ----------------------------------------------------------------------
     def _restore(self) -> None:
         step = latest_checkpoint(self.store, self.rec.id)
         if step is not None:
-            state, files, opt_tensors, groups = load_checkpoint(self.store, self.rec.id, step)
-            load_adapter_weights(self.model, files[ADAPTER_WEIGHTS])
-            optimizer_from_tensors(self.opt, opt_tensors, groups)
-            torch.set_rng_state(opt_tensors["rng.torch"])
-            self.state = state
+            ck = load_checkpoint(self.store, self.rec.id, step)  # hashes verified
+            load_policy_files(self.model, ck.files)  # into the fresh adapter: never applied on top of another
+            optimizer_from_tensors(self.learner.opt, ck.opt_tensors, ck.param_groups)
+            if ck.scheduler:
+                # Restores last_epoch without stepping; the optimizer's lr came back with its param groups.
+                self.learner.sched.load_state_dict(ck.scheduler)
+            rng_restore(ck.opt_tensors, ck.rng)
+            self.state = ck.state
             log.info("job %s: resumed from checkpoint step %d", self.rec.id, step)
-        self.trained = set(self.state.trained_groups)
-        if self.state.step > 0:
+        self.ckpt_groups = set(self.state.trained_groups)
+        if self.state.step > 0 and self.comm.is_main:
             self._publish_if_missing()
 
     # -- the loop --------------------------------------------------------------------
     def run(self) -> None:
+        if not self.comm.is_main:
+            self._follow()
+            return
         spec = self.rec.spec
         first = True  # our own pending entries (from before a crash) come first
         t_wait = time.time()
-        while not self.rt.stop.is_set() and self.state.step < spec.steps:
-            if not self._renew_lease():
-                log.warning("job %s: lost the lease; stopping", self.rec.id)
-                return
-            rec = load_job(self.r, self.rec.id)
-            if rec is None or rec.state in (JobState.cancelled, JobState.failed):
-                return
-            need = spec.batch_size - len(self.pending)
-            entries = self._read(need, first)
-            first = False
-            self._admit(entries)
-            if len(self.pending) >= spec.batch_size:
-                wait_s = time.time() - t_wait
-                self._step(self.pending[: spec.batch_size], wait_s)
-                self.pending = self.pending[spec.batch_size :]
-                t_wait = time.time()
+        try:
+            while self.state.step < spec.steps:
+                if self.rt.stop.is_set():
+                    self.exit_reason = "stop requested (SIGTERM)"
+                    break
+                if self._out_of_budget(about_to_step=False):
+                    break
+                if not self._renew_lease():
+                    log.warning("job %s: lost the lease; stopping", self.rec.id)
+                    self.exit_reason = "lost the lease"
+                    return  # another trainer owns the job now: it must not see our writes
+                rec = load_job(self.r, self.rec.id)
+                if rec is None or rec.state in (JobState.cancelled, JobState.failed):
+                    self.exit_reason = "job ended"
+                    return
+                need = spec.batch_size - len(self.pending)
+                entries = self._read(need, first)
+                first = False
+                self._admit(entries)
+                if len(self.pending) >= spec.batch_size:
+                    if self._out_of_budget(about_to_step=True):
+                        break
+                    wait_s = time.time() - t_wait
+                    try:
+                        self._step(self.pending[: spec.batch_size], wait_s)
+                    except Aborted:
+                        self.exit_reason = "stop requested (SIGTERM) mid-batch; batch left pending"
+                        break
+                    self.pending = self.pending[spec.batch_size :]
+                    t_wait = time.time()
+            self._checkpoint_if_dirty()
+        finally:
+            self.comm.broadcast_int(CMD_STOP)
+        if self.exit_reason.startswith("time budget"):
+            log.info("job %s: %s; exiting the session", self.rec.id, self.exit_reason)
+            self.rt.stop.set()  # a burst session ends here; the next one resumes from the store
+        elif self.exit_reason:
+            log.info("job %s: %s", self.rec.id, self.exit_reason)
         if self.state.step >= spec.steps:
             rec = load_job(self.r, self.rec.id)
             if rec and rec.state == JobState.running:
                 rec.state, rec.updated_at = JobState.completed, time.time()
                 save_job(self.r, rec)
                 log.info("job %s: completed %d steps", self.rec.id, spec.steps)
+
+    def _follow(self) -> None:
+        """Ranks > 0: train each batch rank 0 broadcasts, until it says stop."""
+        while self.comm.broadcast_int(0) == CMD_STEP:
+            groups = [decode(b, GroupMsg) for b in self.comm.broadcast_bytes(None)]
+            self.learner.train_batch(groups)
+            self.state.step += 1
+
+    def _out_of_budget(self, *, about_to_step: bool) -> bool:
+        """Whether a (step and) a checkpoint would no longer fit before the deadline."""
+        if not self.deadline:
+            return False
+        # Before the first checkpoint, estimate its upload from the policy uploads: the
+        # optimizer state (AdamW: 2x the trainable weights) makes it ~3x a version.
+        save = max(self.save_times, default=3 * max(self.publish_times, default=0.0))
+        need = save + self.s.budget_margin_s + (max(self.step_times, default=0.0) if about_to_step else 0.0)
+        left = self.deadline - time.time()
+        if left < need:
+            self.exit_reason = (
+                f"time budget: {left:.1f}s left, a {'step + ' if about_to_step else ''}save needs ~{need:.1f}s"
+            )
+            return True
+        return False
 
     def _read(self, need: int, own_pending: bool) -> list[Entry]:
         stream = keys.ready(self.rec.id)
@@ -108,103 +222,198 @@ class JobTrainer:
 
     def _admit(self, entries: list[Entry]) -> None:
         spec, version = self.rec.spec, self.state.step
+        queued = {g.group_id for _, g in self.pending} | {gid for _, gid in self.since_ckpt}
+        held = {e.id for e, _ in self.pending} | {e.id for e, _ in self.since_ckpt}
         for e in entries:
             try:
                 g = decode(e.data, GroupMsg)
             except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as err:
                 self.bus.dead_letter(e, f"undecodable group: {err}")
                 continue
-            if g.group_id in self.trained:  # redelivered after a crash; already in the weights
-                self.bus.ack([e])
+            if e.id in held:
+                # Our own entry again (re-read of our pending list, or reclaimed from
+                # ourselves): it is acknowledged with its checkpoint, not before.
+                continue
+            if g.group_id in self.ckpt_groups:
+                # Redelivered after a crash between storing the checkpoint and acking it: its
+                # gradient is in the weights, and the ack (with its ledger count) never happened.
+                self.bus.ack([e], {self.rec.id: {"trained": 1}})
             elif g.stage != "ready" or (spec.uses_ref and not all(c.ref_logprobs for c in g.completions)):
                 self.bus.dead_letter(e, f"group not ready for training (stage {g.stage!r}, ref log-probs missing?)")
+            elif not all(_arrays_consistent(c) for c in g.completions):
+                self.bus.dead_letter(e, "completion arrays of different lengths (token ids / log-probs / mask / ref)")
+            elif not g.completions or len(g.completions) != spec.group_size:
+                self.bus.dead_letter(e, f"group has {len(g.completions)} completions, job wants {spec.group_size}")
             elif version - g.policy_version > spec.max_staleness:
                 self.bus.ack([e], {self.rec.id: {"dropped_stale": 1}})
-            elif any(g.group_id == p.group_id for _, p in self.pending):
+            elif spec.algorithm.dynamic_sampling and _zero_variance(g):
+                # DAPO dynamic sampling: no advantage signal; the batch fills with informative groups.
+                self.bus.ack([e], {self.rec.id: {"dropped_zero_variance": 1}})
+                self.dropped_zero_var += 1
+            elif g.group_id in queued:
+                # Another entry carrying a group we already hold; the ledger counted the group
+                # once, so this extra copy is acknowledged without a count.
                 self.bus.ack([e])
             else:
                 self.pending.append((e, g))
+                queued.add(g.group_id)
 
     def _step(self, items: list[tuple[Entry, GroupMsg]], wait_s: float) -> None:
         spec = self.rec.spec
         t0 = time.time()
         groups = [g for _, g in items]
-        b = collate(groups, self.tok.pad_token_id or 0)
-        dev = self.device
-        self.model.train()
-        logits = self.model(input_ids=b.input_ids.to(dev), attention_mask=b.attention_mask.to(dev)).logits[:, :-1]
-        logp = token_logprobs(logits, b.input_ids[:, 1:].to(dev))  # [N, L-1]
-        adv = group_advantages(b.rewards).reshape(-1).to(dev)  # [N]
-        loss, stats = policy_loss(
-            logp,
-            b.sampler_logp.to(dev),
-            adv,
-            b.mask.to(dev),
-            clip_low=spec.clip_low,
-            clip_high=spec.clip_high,
-            tis_cap=spec.tis_cap,
-            ref_logp=b.ref_logp.to(dev) if b.ref_logp is not None else None,
-            kl_coef=spec.kl_coef,
-        )
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.opt.param_groups[0]["params"], self.s.grad_clip))
-        self.opt.step()
+        if self.comm.world > 1:
+            self.comm.broadcast_int(CMD_STEP)
+            self.comm.broadcast_bytes([e.data for e, _ in items])
+            should_stop = lambda: False  # noqa: E731 (ranks must agree; a DDP batch always finishes)
+        else:
+            should_stop = self.rt.stop.is_set
+        res = self.learner.train_batch(groups, should_stop=should_stop)
         t_train = time.time() - t0
-        # Durable first, then acknowledge (invariant 2).
         self.state.step += 1
-        self.state.trained_groups.extend(g.group_id for g in groups)
-        self.trained.update(g.group_id for g in groups)
-        adapter = adapter_files(self.model, spec.base_model)
-        save_checkpoint(self.store, self.rec.id, self.state, adapter, self.opt)
-        self._publish(adapter)
-        self.bus.ack([e for e, _ in items], {self.rec.id: {"trained": len(items)}})
+        self.since_ckpt.extend((e, g.group_id) for e, g in items)
+        d = self.state.data
+        d["groups_trained"] = d.get("groups_trained", 0) + len(items)
+        d["last_entry_id"] = items[-1][0].id
+        files = policy_files(self.model, spec.base_model)
+        t_ckpt = 0.0
+        checkpointed = self.state.step % self.s.checkpoint_every == 0 or self.state.step >= spec.steps
+        if checkpointed:
+            t_ckpt = self._checkpoint(files, ack=False)  # durable first (invariant 2) ...
+        t1 = time.time()
+        self._publish(files)
+        self.publish_times.append(time.time() - t1)
+        if checkpointed:
+            self._ack_checkpointed()  # ... then acknowledged
         self._advance_pointer()
-        t_pub = time.time() - t0 - t_train
-        staleness = [self.state.step - 1 - v for v in b.versions]
+        t_pub = time.time() - t0 - t_train - t_ckpt
+        self.step_times.append(t_train + t_pub)
+        self._record(items, res, wait_s=wait_s, t_train=t_train, t_pub=t_pub, t_ckpt=t_ckpt, checkpointed=checkpointed)
+
+    def _record(
+        self,
+        items: list[tuple[Entry, GroupMsg]],
+        res: StepResult,
+        *,
+        wait_s: float,
+        t_train: float,
+        t_pub: float,
+        t_ckpt: float,
+        checkpointed: bool,
+    ) -> None:
+        spec = self.rec.spec
+        groups = [g for _, g in items]
+        rewards = torch.tensor([[c.reward for c in g.completions] for g in groups], dtype=torch.float32)
+        staleness = [self.state.step - 1 - g.policy_version for g in groups]
+        hist = Counter(staleness)
+        lengths = [len(unpack_f32(c.logprobs)) for g in groups for c in g.completions]
+        busy = t_train + t_pub + t_ckpt
+        total = wait_s + busy
+        # Time inside the bus (reads that found data, settle scripts) since the last point:
+        # what the Redis transport costs a step, blocking for new data excluded.
+        bus_total = self.bus.stats.read_s + self.bus.stats.settle_s
+        bus_s, self._bus_seen = bus_total - self._bus_seen, bus_total
         point = {
             "step": self.state.step,
-            "loss": float(loss.detach()),
-            "reward_mean": float(b.rewards.mean()),
-            "grad_norm": grad_norm,
+            "loss": res.stats.get("loss", 0.0),
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "reward_min": float(rewards.min()),
+            "reward_max": float(rewards.max()),
+            "zero_variance_groups": int(sum(_zero_variance(g) for g in groups)),
+            "dropped_zero_variance": self.dropped_zero_var,
+            "grad_norm": res.grad_norm,
+            "lr": res.lr,
+            "updates": res.updates,
             "groups": len(groups),
-            "tokens": b.tokens,
+            "tokens": res.tokens,
+            "completion_len_mean": sum(lengths) / max(1, len(lengths)),
             "staleness_mean": sum(staleness) / len(staleness),
             "staleness_max": max(staleness),
+            "staleness_hist": {str(k): hist[k] for k in sorted(hist)},
             "wait_s": round(wait_s, 3),
             "train_s": round(t_train, 3),
+            "fwd_bwd_s": round(res.fwd_bwd_s, 3),
+            "optim_s": round(res.optim_s, 3),
             "publish_s": round(t_pub, 3),
-            **stats,
+            "checkpoint_s": round(t_ckpt, 3),
+            "checkpointed": checkpointed,
+            "idle_frac": round(wait_s / total, 4) if total > 0 else 0.0,
+            "bus_s": round(bus_s, 5),
+            "bus_frac": round(bus_s / busy, 5) if busy > 0 else 0.0,
+            "tokens_per_s": round(res.tokens / t_train, 1) if t_train > 0 else 0.0,
+            **{k: v for k, v in res.stats.items() if k != "loss"},
         }
         record_point(self.r, self.rec.id, "trainer", point)
         log.info(
-            "job %s step %d/%d: reward %.3f loss %.4f mismatch_kl %.4f stale %.1f (wait %.1fs train %.2fs publish %.2fs)",
+            "job %s step %d/%d: reward %.3f loss %.4f mismatch_kl %.4f is_frac %.3f stale %s "
+            "(wait %.1fs train %.2fs publish %.2fs ckpt %.2fs)",
             self.rec.id,
             self.state.step,
             spec.steps,
             point["reward_mean"],
             point["loss"],
-            stats["mismatch_kl"],
-            point["staleness_mean"],
+            res.stats.get("mismatch_kl", 0.0),
+            res.stats.get("is_frac", 0.0),
+            point["staleness_hist"],
             wait_s,
             t_train,
             t_pub,
+            t_ckpt,
         )
 
+    # -- checkpoints -------------------------------------------------------------------
+    def _checkpoint(self, files: dict[str, bytes] | None = None, *, ack: bool = True) -> float:
+        """Store the full state (files first, manifest last); returns the seconds it took."""
+        t0 = time.time()
+        files = files if files is not None else policy_files(self.model, self.rec.spec.base_model)
+        self.state.trained_groups = [gid for _, gid in self.since_ckpt]
+        save_checkpoint(self.store, self.rec.id, self.state, files, self.learner.opt, self.learner.sched)
+        dt = time.time() - t0
+        self.save_times.append(dt)
+        if dt > self.s.grace_s:
+            log.warning("checkpoint took %.1fs, longer than the %.0fs pre-emption grace period", dt, self.s.grace_s)
+        if ack:
+            self._ack_checkpointed()
+        try:
+            prune_checkpoints(self.store, self.rec.id, self.s.keep_checkpoints)
+        except Exception as e:  # old checkpoints are clutter, not a correctness problem
+            log.warning("could not prune old checkpoints: %s", e)
+        return dt
+
+    def _ack_checkpointed(self) -> None:
+        entries = [e for e, _ in self.since_ckpt]
+        if entries:
+            self.bus.ack(entries, {self.rec.id: {"trained": len(entries)}})
+        self.ckpt_groups = {gid for _, gid in self.since_ckpt}
+        self.since_ckpt = []
+
+    def _checkpoint_if_dirty(self) -> None:
+        """At exit: whatever was trained since the last checkpoint goes to the store now."""
+        if self.since_ckpt and self.comm.is_main:
+            dt = self._checkpoint()
+            log.info("job %s: exit checkpoint at step %d (%.2fs)", self.rec.id, self.state.step, dt)
+
     # -- publishing ------------------------------------------------------------------
-    def _publish(self, adapter: dict[str, bytes]) -> None:
+    def _publish(self, files: dict[str, bytes]) -> None:
+        if self.store.exists(f"{version_prefix(self.rec.id, self.state.step)}/{MANIFEST}"):
+            # Re-trained after resuming from an older checkpoint: versions are immutable, and
+            # the existing one came from the same groups (identical on CPU, near on GPU).
+            log.info("job %s: policy v%d already published; keeping it", self.rec.id, self.state.step)
+            return
         m = Manifest(
             job_id=self.rec.id,
             version=self.state.step,
             step=self.state.step,
             base_model=self.rec.spec.base_model,
             files={},
+            probe=compute_probe(self.model, self.tok, self.rec.spec.task),
         )
-        publish_version(self.store, m, adapter)
+        publish_version(self.store, m, files)
 
     def _publish_if_missing(self) -> None:
         if not self.store.exists(f"{version_prefix(self.rec.id, self.state.step)}/{MANIFEST}"):
-            self._publish(adapter_files(self.model, self.rec.spec.base_model))
+            self._publish(policy_files(self.model, self.rec.spec.base_model))
         self._advance_pointer()
 
     def _advance_pointer(self) -> None:

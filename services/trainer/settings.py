@@ -7,7 +7,11 @@ from shared.settings import CommonSettings
 
 
 class TrainerSettings(CommonSettings):
-    """trainer settings: env BURSTRL_TRAINER_* for its own fields, BURSTRL_* for common ones."""
+    """trainer settings: env BURSTRL_TRAINER_* for its own fields, BURSTRL_* for common ones.
+
+    Session concerns (time budget, checkpoint cadence, memory tricks) live here rather than
+    in the job spec: they describe the machine and the rental, not the experiment.
+    """
 
     model_config = SettingsConfigDict(env_prefix="BURSTRL_TRAINER_", extra="ignore")
 
@@ -16,3 +20,18 @@ class TrainerSettings(CommonSettings):
     lease_s: int = Field(30, ge=5, description="Job lease TTL; another trainer may take over after it.")
     grad_clip: float = Field(1.0, gt=0, description="Max gradient norm.")
     threads: int = Field(0, ge=0, description="torch CPU threads (0: torch's default).")
+    checkpoint_every: int = Field(
+        1, ge=1, description="Checkpoint (and acknowledge) every N steps; also at exit. Versions publish every step."
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept in the store; older ones are deleted.")
+    time_budget_s: float = Field(
+        0.0, ge=0.0, description="Session length in seconds from process start; 0: unlimited (--time-budget)."
+    )
+    deadline: float = Field(0.0, ge=0.0, description="Session end as a unix time; 0: none (--deadline).")
+    budget_margin_s: float = Field(
+        10.0, ge=0.0, description="Safety margin kept on top of the measured step and save times."
+    )
+    grace_s: float = Field(
+        30.0, gt=0.0, description="Expected time between SIGTERM and SIGKILL (pre-emption); only for warnings."
+    )
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")

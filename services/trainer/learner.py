@@ -1,0 +1,224 @@
+"""One optimizer batch of GRPO-family training: advantages, mini-batches, data parallelism.
+
+`Learner` owns the model's optimizer and LR scheduler and turns a list of groups into
+updates; it knows nothing of Redis or the store (loop.py does), so it is tested alone.
+
+Data parallelism: every rank holds the whole batch (rank 0 reads it from the bus and
+broadcasts it as msgpack bytes, never pickle); within each mini-batch rank r trains the
+groups r, r+W, r+2W, ... Losses are normalised by the mini-batch's *global* token and
+sequence counts and gradients are summed across ranks, so W processes take exactly the
+step one process takes on the same global batch (up to float summation order).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from services.trainer.advantages import compute_advantages, kl_penalised_rewards
+from services.trainer.batch import Batch, collate
+from services.trainer.losses import LossConfig, lr_lambda, policy_loss, token_logprobs_and_entropy
+from shared.job import JobSpec
+from shared.schema import GroupMsg
+
+
+class Aborted(Exception):
+    """Stop was requested before the batch's first optimizer step: nothing was applied."""
+
+
+@dataclass
+class StepResult:
+    stats: dict[str, float] = field(default_factory=dict)
+    grad_norm: float = 0.0
+    fwd_bwd_s: float = 0.0
+    optim_s: float = 0.0
+    tokens: int = 0
+    updates: int = 0
+    lr: float = 0.0
+
+
+def loss_config(spec: JobSpec) -> LossConfig:
+    a = spec.algorithm
+    return LossConfig(
+        clip_low=spec.clip_low,
+        clip_high=spec.clip_high,
+        ratio_level=a.ratio_level,
+        aggregation=a.aggregation,
+        max_tokens=spec.sampling.max_tokens,
+        mismatch=a.mismatch,
+        tis_cap=spec.tis_cap,
+        mismatch_min=a.mismatch_min,
+        kl_coef=spec.kl_coef if a.kl_in == "loss" else 0.0,
+        kl_estimator=a.kl_estimator,
+        entropy_coef=a.entropy_coef,
+    )
+
+
+def split_groups(n_groups: int, parts: int) -> list[list[int]]:
+    """Contiguous, as even as possible (the first n % parts chunks get one more)."""
+    base, extra = divmod(n_groups, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+class Learner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        spec: JobSpec,
+        *,
+        pad_id: int,
+        grad_clip: float,
+        device: str = "cpu",
+        world: int = 1,
+        rank: int = 0,
+    ) -> None:
+        self.model, self.spec, self.pad_id, self.grad_clip, self.device = model, spec, pad_id, grad_clip, device
+        self.world, self.rank = world, rank
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=spec.learning_rate, weight_decay=0.0)
+        a = spec.algorithm
+        total = spec.steps * a.ppo_epochs * a.minibatches  # scheduler steps once per optimizer step
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(a.lr_schedule, a.warmup_steps, total))
+        self.cfg = loss_config(spec)
+
+    # -- helpers ---------------------------------------------------------------------
+    def _forward(self, b: Batch, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Trainer log-probs and entropies of `rows`, trimmed to their longest sequence."""
+        idx = torch.tensor(rows, dtype=torch.long)
+        attn = b.attention_mask[idx]
+        length = int(attn.sum(dim=1).max())
+        ids = b.input_ids[idx, :length].to(self.device)
+        logits = self.model(input_ids=ids, attention_mask=attn[:, :length].to(self.device)).logits[:, :-1]
+        logp, ent = token_logprobs_and_entropy(logits, ids[:, 1:])
+        return logp, ent, length - 1
+
+    def _sync_grads(self) -> None:
+        """Sum gradients across ranks (each rank's loss already carries the global denominator)."""
+        if self.world == 1:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        off = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = flat[off : off + n].view_as(p).to(p.dtype)
+            off += n
+
+    def _all_sum(self, values: list[float]) -> list[float]:
+        if self.world == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.tolist()
+
+    # -- one batch ---------------------------------------------------------------------
+    def train_batch(self, groups: list[GroupMsg], should_stop: Callable[[], bool] = lambda: False) -> StepResult:
+        """Advantages, then ppo_epochs x minibatches optimizer steps on `groups`.
+
+        `should_stop` is polled before each optimizer step; before the first one it raises
+        Aborted (nothing applied, the groups can be trained later), after it the batch is
+        finished so the weights never hold half a batch.
+        """
+        spec, a, cfg = self.spec, self.spec.algorithm, self.cfg
+        b = collate(groups, self.pad_id)
+        g_size = b.rewards.shape[1]
+        rewards = b.rewards
+        extra: dict[str, float] = {}
+        if a.kl_in == "reward" and spec.kl_coef > 0.0 and b.ref_logp is not None:
+            rewards, kl_r = kl_penalised_rewards(
+                rewards, b.sampler_logp, b.ref_logp, b.mask, kl_coef=spec.kl_coef, estimator=a.kl_estimator
+            )
+            extra["kl_reward"] = float(kl_r)
+        adv = compute_advantages(
+            a.advantage,
+            rewards,
+            sampler_logp=b.sampler_logp,
+            ref_logp=b.ref_logp,
+            mask=b.mask,
+            reward_weight=a.distill_reward_weight,
+        )
+
+        mbs = split_groups(len(groups), a.minibatches)
+        local = [[r for gi in mb[self.rank :: self.world] for r in range(gi * g_size, (gi + 1) * g_size)] for mb in mbs]
+        counts = [
+            (float(b.mask[[r for gi in mb for r in range(gi * g_size, (gi + 1) * g_size)]].sum()), len(mb) * g_size)
+            for mb in mbs
+        ]
+        res = StepResult(tokens=b.tokens)
+        self.model.train()
+        t0 = time.perf_counter()
+        old: dict[int, torch.Tensor] = {}
+        if a.ppo_epochs * a.minibatches > 1:
+            # The PPO anchor: log-probs under the weights the batch started from.
+            with torch.no_grad():
+                for i, rows in enumerate(local):
+                    if rows:
+                        old[i] = self._forward(b, rows)[0].detach()
+        res.fwd_bwd_s += time.perf_counter() - t0
+
+        sums: dict[str, float] = {}
+        local_tokens = 0.0
+        loss_sum = 0.0
+        for _epoch in range(a.ppo_epochs):
+            for i, rows in enumerate(local):
+                if should_stop() and res.updates == 0:
+                    self.opt.zero_grad(set_to_none=True)
+                    raise Aborted
+                t0 = time.perf_counter()
+                if rows:
+                    logp, ent, t_len = self._forward(b, rows)
+                    idx = torch.tensor(rows, dtype=torch.long)
+                    mask = b.mask[idx, :t_len].to(self.device)
+                    adv_rows = adv[idx] if adv.dim() == 1 else adv[idx, :t_len]
+                    ref = b.ref_logp[idx, :t_len].to(self.device) if b.ref_logp is not None else None
+                    loss, st = policy_loss(
+                        logp,
+                        old[i] if i in old else logp.detach(),
+                        adv_rows.to(self.device),
+                        mask,
+                        cfg,
+                        sampler_logp=b.sampler_logp[idx, :t_len].to(self.device),
+                        ref_logp=ref,
+                        entropy=ent if cfg.entropy_coef > 0.0 else ent.detach(),
+                        n_tokens=counts[i][0],
+                        n_seqs=counts[i][1],
+                    )
+                    loss.backward()
+                    n = float(mask.sum())
+                    local_tokens += n
+                    loss_sum += st.pop("loss")
+                    st.pop("pg_loss", None)
+                    for k, v in st.items():
+                        sums[k] = sums.get(k, 0.0) + v * n
+                t1 = time.perf_counter()
+                self._sync_grads()
+                res.grad_norm += float(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
+                self.opt.step()
+                self.sched.step()
+                self.opt.zero_grad(set_to_none=True)
+                res.updates += 1
+                t2 = time.perf_counter()
+                res.fwd_bwd_s += t1 - t0
+                res.optim_s += t2 - t1
+
+        # A fixed key list: every rank must all-reduce the same vector, even one with no rows.
+        keys = ["clip_frac", "clip_high_frac", "clip_low_frac", "entropy", "is_frac", "mismatch_k3", "mismatch_kl"]
+        keys += ["kl_ref"] if b.ref_logp is not None else []
+        reduced = self._all_sum([sums.get(k, 0.0) for k in keys] + [local_tokens, loss_sum])
+        total_tokens = max(reduced[-2], 1.0)
+        res.stats = {k: v / total_tokens for k, v in zip(keys, reduced[:-2], strict=True)}
+        res.stats["loss"] = reduced[-1] / max(res.updates, 1)  # per-update losses are rank partial sums
+        res.stats.update(extra)
+        res.grad_norm /= max(res.updates, 1)
+        res.lr = float(self.sched.get_last_lr()[0])
+        return res

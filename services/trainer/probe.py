@@ -1,0 +1,42 @@
+"""The log-prob probe a version's manifest carries (ARCHITECTURE invariant 5).
+
+The trainer scores one fixed sequence (a held-out prompt of the job's task plus a fixed
+completion) with the weights it is about to publish; rollout scores the same token ids
+with the engine after loading the version and refuses it unless the per-token log-probs
+agree within a tolerance. Hashes prove the bytes arrived intact; the probe proves the
+engine actually serves those weights (right adapter, right base model, loaded correctly).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.policy import make_probe
+from shared.tasks import get_task
+
+# Fixed, so every version of a job is probed on the same sequence. A completion that is
+# not the right answer on purpose: log-probs of unlikely tokens move more with the
+# weights than those of confident ones, which makes a mismatch easier to see.
+PROBE_COMPLETION = " 0 1 2 3"
+
+
+def probe_text(task: str) -> str:
+    item = get_task(task).heldout_items(1)[0]
+    return item.prompt + PROBE_COMPLETION
+
+
+@torch.no_grad()
+def compute_probe(model, tok, task: str) -> dict[str, list]:  # noqa: ANN001 (peft model, HF tokenizer)
+    """Token ids of the probe text and each token's log-prob after the first, in fp32."""
+    ids = tok(probe_text(task), add_special_tokens=True)["input_ids"]
+    was_training = model.training
+    model.eval()  # no dropout: the engine has none either
+    try:
+        device = next(model.parameters()).device
+        logits = model(input_ids=torch.tensor([ids], device=device)).logits[0, :-1].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        target = torch.tensor(ids[1:], device=device)
+        values = logp.gather(-1, target[:, None])[:, 0].cpu().tolist()
+    finally:
+        model.train(was_training)
+    return make_probe(ids, values)

@@ -1,0 +1,320 @@
+"""Checkpoint and resume of the trainer against a real Redis and a file:// store (CPU, deterministic).
+
+Each scenario interrupts a run (an exception injected mid-step, a crash between storing a
+checkpoint and acknowledging it, a SIGTERM-style stop, a spent time budget), resumes with a
+fresh JobTrainer from the store and the bus, and must end with exactly the weights, LR
+and ledger of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load
+
+from services.cli.launch import free_port
+from services.trainer.checkpoint import checkpoint_steps, load_checkpoint
+from services.trainer.loop import JobTrainer
+from services.trainer.policy import ADAPTER_WEIGHTS
+from services.trainer.settings import TrainerSettings
+from shared import keys
+from shared.bus import FIELD, Bus
+from shared.job import JobRecord, JobSpec, JobState, load_job, save_job
+from shared.metrics import read_ledger, read_points
+from shared.schema import Completion, GroupMsg, encode, pack_f32, pack_i32, pack_u8
+from shared.store import FileStore
+
+JOB = "resume-1"
+STEPS, BATCH, G = 5, 2, 4
+ZERO_VAR = {3, 8}  # positions in the stream of groups with equal rewards (dropped by dynamic sampling)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from services.trainer.tiny_model import build_model
+
+    return build_model(tmp_path_factory.mktemp("tiny") / "m", hidden=64, layers=2, seed=0)
+
+
+def _groups() -> list[GroupMsg]:
+    rng = np.random.default_rng(7)
+    out = []
+    for i in range(STEPS * BATCH + len(ZERO_VAR)):
+        comps = []
+        for j in range(G):
+            t = int(rng.integers(3, 6))
+            comps.append(
+                Completion(
+                    token_ids=pack_i32(rng.integers(3, 200, t)),
+                    logprobs=pack_f32(-rng.random(t) * 3 - 0.5),
+                    loss_mask=pack_u8(np.ones(t, dtype=np.uint8)),
+                    text="x",
+                    finish_reason="stop",
+                    reward=1.0 if i in ZERO_VAR else float((i + j) % 2),
+                )
+            )
+        out.append(
+            GroupMsg(
+                job_id=JOB,
+                group_id=f"{JOB}:g{i}",
+                item_id=str(i),
+                prompt="p",
+                prompt_ids=pack_i32(rng.integers(3, 200, 3)),
+                policy_version=0,
+                completions=comps,
+                stage="ready",
+            )
+        )
+    return out
+
+
+class Run:
+    """One job's world: Redis state, a store, and a way to start (or restart) its trainer."""
+
+    def __init__(self, r, tmp: Path, model_dir: Path, *, checkpoint_every: int, steps: int = STEPS) -> None:  # noqa: ANN001
+        r.flushall()
+        self.r = r
+        self.store = FileStore(tmp / "store")
+        spec = JobSpec(
+            name="resume",
+            base_model=str(model_dir),
+            group_size=G,
+            batch_size=BATCH,
+            steps=steps,
+            learning_rate=5e-3,
+            max_staleness=64,
+            lora_rank=4,
+            lora_alpha=8,
+            algorithm={"dynamic_sampling": True, "warmup_steps": 3, "lr_schedule": "cosine"},
+        )
+        now = time.time()
+        save_job(r, JobRecord(id=JOB, spec=spec, state=JobState.running, created_at=now, updated_at=now))
+        Bus.ensure_groups(r, JOB)
+        groups = _groups()
+        for g in groups:
+            r.xadd(keys.ready(JOB), {FIELD: encode(g)})
+        r.hset(keys.ledger(JOB), "fed", len(groups))  # as if the api had fed them
+        self.settings = TrainerSettings(
+            job=JOB, device="cpu", checkpoint_every=checkpoint_every, budget_margin_s=0, dev=True
+        )
+
+    def trainer(self) -> JobTrainer:
+        rt = SimpleNamespace(redis=self.r, stop=threading.Event(), gauges={})
+        rec = load_job(self.r, JOB)
+        assert rec is not None
+        return JobTrainer(rt, self.settings, self.store, rec)  # type: ignore[arg-type]
+
+    def final(self) -> tuple[dict[str, torch.Tensor], float]:
+        step = max(checkpoint_steps(self.store, JOB))
+        assert step == STEPS
+        ck = load_checkpoint(self.store, JOB, step)
+        return load(ck.files[ADAPTER_WEIGHTS]), ck.param_groups[0]["lr"]
+
+
+def _after_step(monkeypatch, fn) -> None:  # noqa: ANN001
+    """Call fn(trainer) right after each step's metrics are recorded."""
+    orig = JobTrainer._record
+
+    def hooked(self, *a, **k):  # noqa: ANN001, ANN202
+        orig(self, *a, **k)
+        fn(self)
+
+    monkeypatch.setattr(JobTrainer, "_record", hooked)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, model_dir, redis_server):  # noqa: ANN001, ANN201
+    """The uninterrupted run: final adapter and LR."""
+    client = redis_server.client()
+    run = Run(client, tmp_path_factory.mktemp("ref"), model_dir, checkpoint_every=2)
+    t = run.trainer()
+    t.run()
+    out = run.final()
+    ledger = read_ledger(client, JOB)
+    points = read_points(client, JOB, "trainer")
+    client.close()
+    assert [p["step"] for p in points] == list(range(1, STEPS + 1))
+    assert ledger["trained"] == STEPS * BATCH and ledger["dropped_zero_variance"] == len(ZERO_VAR)
+    assert ledger["in_flight"] == 0
+    # Checkpoints are pruned to the newest two; each holds only its interval's groups.
+    assert checkpoint_steps(run.store, JOB) == [4, 5]
+    assert len(load_checkpoint(run.store, JOB, 5).state.trained_groups) == BATCH
+    return out
+
+
+def _same(got: tuple[dict[str, torch.Tensor], float], want: tuple[dict[str, torch.Tensor], float]) -> None:
+    (a, lr_a), (b, lr_b) = got, want
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k  # bit-identical on CPU
+    assert lr_a == pytest.approx(lr_b)  # the scheduler neither skipped nor double-stepped
+
+
+def _ledger_balanced(r) -> None:  # noqa: ANN001
+    led = read_ledger(r, JOB)
+    assert led["trained"] == STEPS * BATCH, led
+    assert led["dropped_zero_variance"] == len(ZERO_VAR), led
+    assert led["in_flight"] == 0, led
+    assert r.xpending(keys.ready(JOB), keys.GROUP_TRAINER)["pending"] == 0
+
+
+def test_crash_mid_interval_then_resume_gives_the_same_weights(r, tmp_path, model_dir, reference, monkeypatch):
+    run = Run(r, tmp_path, model_dir, checkpoint_every=2)
+    orig = JobTrainer._publish
+
+    def boom(self, files):  # noqa: ANN001, ANN202
+        if self.state.step == 3:
+            raise RuntimeError("injected crash after training step 3, before its checkpoint")
+        orig(self, files)
+
+    monkeypatch.setattr(JobTrainer, "_publish", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        run.trainer().run()
+    assert checkpoint_steps(run.store, JOB) == [2]
+    monkeypatch.setattr(JobTrainer, "_publish", orig)
+    t = run.trainer()
+    assert t.state.step == 2 and t.learner.sched.last_epoch == 2
+    t.run()
+    _same(run.final(), reference)
+    _ledger_balanced(r)
+
+
+def test_crash_between_checkpoint_and_ack_counts_each_group_once(r, tmp_path, model_dir, reference, monkeypatch):
+    run = Run(r, tmp_path, model_dir, checkpoint_every=2)
+    orig = JobTrainer._ack_checkpointed
+
+    def boom(self):  # noqa: ANN001, ANN202
+        if self.state.step == 4:
+            raise RuntimeError("injected crash after storing checkpoint 4, before acking it")
+        orig(self)
+
+    monkeypatch.setattr(JobTrainer, "_ack_checkpointed", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        run.trainer().run()
+    monkeypatch.setattr(JobTrainer, "_ack_checkpointed", orig)
+    t = run.trainer()
+    assert t.state.step == 4 and len(t.ckpt_groups) == 2 * BATCH  # the interval 3..4 may come back
+    t.run()
+    _same(run.final(), reference)
+    _ledger_balanced(r)  # the redelivered groups were acked as trained, not trained again
+
+
+def test_stop_signal_checkpoints_at_exit_and_resume_runs_the_rest(r, tmp_path, model_dir, reference, monkeypatch):
+    run = Run(r, tmp_path, model_dir, checkpoint_every=10)  # only the exit checkpoint saves step 2
+    _after_step(monkeypatch, lambda t: t.rt.stop.set() if t.state.step == 2 else None)
+    t = run.trainer()
+    t.run()
+    assert t.exit_reason.startswith("stop requested") and checkpoint_steps(run.store, JOB) == [2]
+    assert read_ledger(r, JOB)["trained"] == 2 * BATCH  # acked once durable
+    monkeypatch.undo()
+    run.trainer().run()
+    _same(run.final(), reference)
+    _ledger_balanced(r)
+
+
+def test_stop_before_a_batch_is_applied_leaves_it_pending(r, tmp_path, model_dir, reference, monkeypatch):
+    run = Run(r, tmp_path, model_dir, checkpoint_every=2)
+    # SIGTERM arrives while step 2's batch is being trained: the Learner sees it before its
+    # first optimizer step and abandons the batch, which stays pending on the bus.
+    orig_step = JobTrainer._step
+
+    def step_with_stop(self, items, wait_s):  # noqa: ANN001, ANN202
+        if self.state.step == 1:
+            self.rt.stop.set()
+        return orig_step(self, items, wait_s)
+
+    monkeypatch.setattr(JobTrainer, "_step", step_with_stop)
+    t = run.trainer()
+    t.run()
+    assert t.state.step == 1 and checkpoint_steps(run.store, JOB) == [1]
+    assert "mid-batch" in t.exit_reason
+    monkeypatch.undo()
+    run.trainer().run()
+    _same(run.final(), reference)
+    _ledger_balanced(r)
+
+
+def test_time_budget_exits_with_a_checkpoint_and_the_next_session_finishes(
+    r, tmp_path, model_dir, reference, monkeypatch
+):
+    run = Run(r, tmp_path, model_dir, checkpoint_every=10)
+
+    def spend_budget(t: JobTrainer) -> None:
+        if t.state.step == 3:
+            t.deadline = time.time() + 0.01  # less than any step + save: leave now
+            t.save_times.append(1.0)
+
+    _after_step(monkeypatch, spend_budget)
+    t = run.trainer()
+    t.run()
+    assert t.exit_reason.startswith("time budget") and t.rt.stop.is_set()
+    assert checkpoint_steps(run.store, JOB) == [3]
+    monkeypatch.undo()
+    run.trainer().run()
+    _same(run.final(), reference)
+    _ledger_balanced(r)
+
+
+def test_budget_estimate_uses_measured_step_and_save_times(r, tmp_path, model_dir):
+    run = Run(r, tmp_path, model_dir, checkpoint_every=2)
+    run.settings.time_budget_s = 100.0
+    t = run.trainer()
+    t.s.budget_margin_s = 2.0
+    t.deadline = time.time() + 10.0
+    t.step_times.extend([1.0, 4.0])
+    t.save_times.append(5.0)
+    assert not t._out_of_budget(about_to_step=False)  # a save (5s) + margin fits in 10s
+    assert t._out_of_budget(about_to_step=True)  # a 4s step + 5s save + 2s margin does not
+    t.s.budget_margin_s = 0.5
+    assert not t._out_of_budget(about_to_step=True)
+    assert not run.trainer().deadline == 0.0  # --time-budget sets a deadline
+
+
+def test_sigterm_in_a_real_process_checkpoints_and_exits_0(r, tmp_path, model_dir, redis_server):
+    """python -m services.trainer trains what the bus holds, waits for more, gets SIGTERM."""
+    run = Run(r, tmp_path, model_dir, checkpoint_every=100, steps=50)  # data for 5 steps only
+    env = {
+        **os.environ,
+        "REDIS_URL": redis_server.url,
+        "STORE_URL": run.store.url,
+        "BURSTRL_DEV": "1",
+        "BURSTRL_PORT": str(free_port()),
+        "BURSTRL_TRAINER_JOB": JOB,
+        "BURSTRL_TRAINER_DEVICE": "cpu",
+        "BURSTRL_TRAINER_CHECKPOINT_EVERY": "100",
+        "BURSTRL_TRAINER_THREADS": "1",
+    }
+    root = Path(__file__).resolve().parents[1]
+    log = (tmp_path / "trainer.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.trainer"], cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT
+    )
+    try:
+        deadline = time.time() + 180
+        while len(read_points(r, JOB, "trainer")) < STEPS:
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "trainer.log").read_text()[-3000:]
+            time.sleep(0.5)
+        assert checkpoint_steps(run.store, JOB) == []  # nothing durable yet: acks wait for a checkpoint
+        t0 = time.time()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+        assert time.time() - t0 < 30  # within a typical pre-emption grace period
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+    assert checkpoint_steps(run.store, JOB) == [STEPS]
+    led = read_ledger(r, JOB)
+    assert led["trained"] == STEPS * BATCH and led["in_flight"] == 0
+    assert load_job(r, JOB).state == JobState.running  # pre-empted, not finished: the next session resumes
