@@ -13,7 +13,17 @@ from pathlib import Path
 
 from shared.store import MANIFEST, ObjectStore, StoreError, VerificationError, get_folder, put_folder
 
-__all__ = ["MANIFEST", "Manifest", "VerificationError", "fetch_version", "latest_version", "publish_version"]
+__all__ = [
+    "MANIFEST",
+    "Manifest",
+    "ProbeMismatch",
+    "VerificationError",
+    "check_probe",
+    "fetch_version",
+    "latest_version",
+    "make_probe",
+    "publish_version",
+]
 
 
 def version_prefix(job_id: str, version: int) -> str:
@@ -28,7 +38,41 @@ class Manifest:
     base_model: str
     files: dict[str, str]  # name -> sha256
     created_at: float = field(default_factory=time.time)
-    probe: dict[str, list] = field(default_factory=dict)  # token ids and expected log-probs
+    # The log-prob probe (see `make_probe`): {"token_ids": [...], "logprobs": [...]}.
+    probe: dict[str, list] = field(default_factory=dict)
+
+
+class ProbeMismatch(VerificationError):
+    """The engine's log-probs under a version differ from the trainer's: wrong or mis-loaded weights."""
+
+
+def make_probe(token_ids: list[int], logprobs: list[float]) -> dict[str, list]:
+    """The manifest's probe: a fixed token sequence and, for each token after the first,
+    its log-prob given the tokens before it under the version's weights (temperature 1)."""
+    if len(token_ids) < 2 or len(logprobs) != len(token_ids) - 1:
+        raise ValueError(f"probe needs n >= 2 token ids and n - 1 log-probs, got {len(token_ids)}/{len(logprobs)}")
+    return {"token_ids": [int(t) for t in token_ids], "logprobs": [float(x) for x in logprobs]}
+
+
+def check_probe(probe: dict[str, list], got: list[float], tolerance: float) -> float:
+    """Mean per-token |engine - trainer| log-prob difference; raises ProbeMismatch above tolerance.
+
+    The mean, not the max: half-precision and quantized engines put a few unlikely tokens
+    (log-probs near -15) off by several tenths while the rest agree, whereas wrong weights
+    (a stale or foreign adapter, another base) move most tokens. On the tiny model in bf16,
+    the right adapter's mean is <= 0.05 and a wrong one's >= 0.28; in fp32 they are ~1e-5
+    and >= 0.3.
+    """
+    want = probe.get("logprobs") or []
+    if len(got) != len(want) or not want:
+        raise ProbeMismatch(f"probe: engine gave {len(got)} log-probs, manifest has {len(want)}")
+    diffs = [abs(a - b) for a, b in zip(got, want, strict=True)]
+    mean = sum(diffs) / len(diffs)
+    if not mean <= tolerance:  # `not <=` also refuses NaN
+        raise ProbeMismatch(
+            f"probe log-probs differ by {mean:.4g} on average, up to {max(diffs):.4g} (tolerance {tolerance:g})"
+        )
+    return mean
 
 
 def publish_version(store: ObjectStore, manifest: Manifest, files: dict[str, bytes]) -> str:

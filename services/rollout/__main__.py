@@ -1,10 +1,43 @@
-"""`python -m services.rollout`: the rollout stage (in-process vLLM)."""
+"""`python -m services.rollout`: the rollout stage (in-process vLLM, or a remote vLLM server's client)."""
 
 from __future__ import annotations
 
+import logging
+
+from services.rollout.engine import Engine, EngineError
 from services.rollout.settings import RolloutSettings
 from shared.service import ServiceRuntime, setup_logging
 from shared.store import open_store
+
+log = logging.getLogger("services.rollout")
+
+
+def build_engine(s: RolloutSettings) -> Engine:
+    """The configured engine; raises EngineError when it cannot be built or reached."""
+    if s.engine == "remote":
+        from services.rollout.engine import RemoteEngine
+
+        if not s.engine_url:
+            raise EngineError("BURSTRL_ROLLOUT_ENGINE=remote needs BURSTRL_ROLLOUT_ENGINE_URL")
+        local, sep, remote = s.engine_path_map.partition("=")
+        return RemoteEngine(
+            url=s.engine_url,
+            api_key=s.engine_api_key.get_secret_value(),
+            served_model=s.engine_served_model,
+            timeout_s=s.engine_timeout_s,
+            concurrency=s.engine_concurrency,
+            path_map=(local, remote) if sep else None,
+        )
+    from services.rollout.engine import InProcessEngine
+
+    return InProcessEngine(
+        model=s.model,
+        max_model_len=s.max_model_len,
+        max_lora_rank=s.max_lora_rank,
+        max_loras=s.max_loras,
+        dtype=s.dtype,
+        seed=s.seed,
+    )
 
 
 def main() -> None:
@@ -12,24 +45,32 @@ def main() -> None:
     settings = RolloutSettings()
     rt = ServiceRuntime("rollout", settings)
     rt.start()
-    rt.health.set("engine", False, f"loading {settings.model}")
-    from services.rollout.engine import InProcessEngine
-    from services.rollout.worker import RolloutWorker
-
-    engine = InProcessEngine(
-        model=settings.model,
-        max_model_len=settings.max_model_len,
-        max_lora_rank=settings.max_lora_rank,
-        max_loras=settings.max_loras,
-        dtype=settings.dtype,
-        seed=settings.seed,
-    )
+    # An unknown model path or an unreachable remote engine keeps the service up and
+    # not-ready with the reason, retrying; no prompt is read meanwhile, so none is lost.
+    engine: Engine | None = None
+    while engine is None and not rt.stop.is_set():
+        what = settings.engine_url if settings.engine == "remote" else settings.model
+        rt.health.set("engine", False, f"starting {settings.engine} engine ({what})")
+        try:
+            engine = build_engine(settings)
+        except EngineError as e:
+            rt.health.set("engine", False, str(e))
+            rt.stop.wait(settings.engine_retry_s)
+    if engine is None:
+        rt.shutdown()
+        return
     rt.health.set("engine", True)
     rt.preflight()
+    from services.rollout.worker import RolloutWorker
+
     worker = RolloutWorker(rt, settings, engine, open_store(settings.store_url))
-    while not rt.stop.is_set():
-        rt.survive(worker.tick)
-    rt.shutdown()
+    try:
+        while not rt.stop.is_set():
+            rt.survive(worker.tick)
+    finally:
+        worker.close()
+        engine.close()
+        rt.shutdown()
 
 
 if __name__ == "__main__":

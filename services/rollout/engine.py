@@ -1,8 +1,17 @@
-"""The generation engine behind one small interface. In-process vLLM for now.
+"""The generation engine behind one small interface, in two modes.
 
-vLLM is imported lazily (inside the class) so `--help` and the light tests never pay
-for it. Each policy version is a NEW LoRA name, id and folder: vLLM serves stale
-weights or stale prefix-cache blocks if a name or path is reused.
+- `InProcessEngine`: vLLM's `LLM` in this process (the laptop/CI default, and NVIDIA boxes).
+- `RemoteEngine`: a client of an OpenAI-compatible vLLM server, e.g. the gfx906 fork's
+  container on an MI50 box. Uses only endpoints vLLM 0.11 already had
+  (`/v1/completions` with `logprobs`, `prompt_logprobs`, `return_tokens_as_token_ids`;
+  `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`, `/tokenize`, `/health`); newer
+  fields (`return_token_ids`) are used when the server returns them, else derived.
+  The server must run with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, `--enable-lora` and
+  `--logprobs-mode processed_logprobs` (the client cannot set that per request).
+
+Each policy version is a NEW LoRA name, id and folder: vLLM serves stale weights or stale
+prefix-cache blocks if a name or path is reused (so no `load_inplace`, which 0.11 lacks
+anyway). vLLM is imported lazily so `--help` and the light tests never pay for it.
 """
 
 from __future__ import annotations
@@ -10,16 +19,38 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from dataclasses import dataclass
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import httpx
 
 log = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """The engine cannot serve right now (not built, unreachable, died). Transient: retry later."""
+
+
+class AdapterError(RuntimeError):
+    """The engine refused an adapter (bad format, rank too large, wrong base). Permanent for that version."""
 
 
 @dataclass(frozen=True)
 class Adapter:
     name: str
     lora_id: int
-    path: str
+    path: str  # as the engine sees it (the remote server may mount the cache elsewhere)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    n: int
+    temperature: float
+    top_p: float
+    max_tokens: int
+    stop: tuple[str, ...] = ()
 
 
 @dataclass
@@ -27,77 +58,303 @@ class Sample:
     token_ids: list[int]
     logprobs: list[float]
     text: str
-    finish_reason: str
+    finish_reason: str  # "stop" (EOS or a stop string) | "length" (hit max_tokens: truncated)
 
 
 @dataclass
 class Generation:
     prompt_ids: list[int]
-    samples: list[Sample]
+    samples: list[Sample] = field(default_factory=list)
+
+
+class Engine(Protocol):
+    mode: str
+    dtype: str  # what the engine computes in ("float32", "bfloat16", ...; "unknown" when remote)
+
+    def load_adapter(self, name: str, path: str) -> Adapter:
+        """Load a LoRA folder under a new name now, so errors surface at adoption, not mid-batch."""
+        ...
+
+    def unload(self, adapter: Adapter) -> None: ...
+
+    def generate(self, prompts: list[str], adapters: list[Adapter | None], cfg: SamplingConfig) -> list[Generation]: ...
+
+    def prompt_logprobs(self, token_ids: list[int], adapter: Adapter | None) -> list[float]:
+        """log p(t_i | t_<i) for i >= 1 at temperature 1 (the probe)."""
+        ...
+
+    def check(self) -> None:
+        """Raise EngineError when the engine cannot serve."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class InProcessEngine:
+    mode = "inprocess"
+
     def __init__(
-        self, *, model: str, max_model_len: int, max_lora_rank: int, max_loras: int, dtype: str, seed: int
+        self,
+        *,
+        model: str,
+        max_model_len: int,
+        max_lora_rank: int,
+        max_loras: int,
+        dtype: str,
+        seed: int,
+        **llm_kwargs: object,
     ) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the CPU backend's default is 4
         from vllm import LLM
 
         self.model = model
-        self.llm = LLM(
-            model=model,
-            enable_lora=True,
-            max_lora_rank=max_lora_rank,
-            max_loras=max_loras,
-            max_model_len=max_model_len,
-            dtype=dtype,
-            seed=seed,
-            enforce_eager=True,
-            # Log-probs of the distribution actually sampled from (after temperature
-            # and top-p); the default raw mode reports temperature-1 values.
-            logprobs_mode="processed_logprobs",
-        )
+        try:
+            self.llm = LLM(
+                model=model,
+                enable_lora=True,
+                max_lora_rank=max_lora_rank,
+                max_loras=max_loras,
+                max_model_len=max_model_len,
+                dtype=dtype,
+                seed=seed,
+                enforce_eager=True,
+                # Log-probs of the distribution actually sampled from (after temperature
+                # and top-p); the default raw mode reports temperature-1 values. Prompt
+                # log-probs (the probe) skip the sampling processors, so stay raw.
+                logprobs_mode="processed_logprobs",
+                **llm_kwargs,
+            )
+        except Exception as e:  # unknown path, bad config: the caller reports it in /readyz
+            raise EngineError(f"cannot start vLLM for {model!r}: {type(e).__name__}: {e}") from e
         self._ids = itertools.count(1)
+        # "auto" resolves per platform (vLLM-cpu runs fp32 checkpoints in bf16): ask the engine.
+        self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
 
-    def new_adapter(self, name: str, path: str) -> Adapter:
-        return Adapter(name=name, lora_id=next(self._ids), path=path)
+    def load_adapter(self, name: str, path: str) -> Adapter:
+        from vllm.lora.request import LoRARequest
+
+        adapter = Adapter(name=name, lora_id=next(self._ids), path=path)
+        try:
+            ok = self.llm.llm_engine.add_lora(LoRARequest(name, adapter.lora_id, path))
+        except Exception as e:
+            raise AdapterError(f"engine refused adapter {name}: {type(e).__name__}: {e}") from e
+        if not ok:
+            raise AdapterError(f"engine refused adapter {name}")
+        return adapter
 
     def unload(self, adapter: Adapter) -> None:
         try:
             self.llm.llm_engine.remove_lora(adapter.lora_id)
-        except Exception as e:  # not loaded yet (never used) is fine
+        except Exception as e:  # already evicted by vLLM's LRU is fine
             log.debug("remove_lora(%s): %s", adapter.name, e)
 
-    def generate(
-        self,
-        prompts: list[str],
-        adapters: list[Adapter | None],
-        *,
-        n: int,
-        temperature: float,
-        top_p: float,
-        max_tokens: int,
-    ) -> list[Generation]:
-        from vllm import SamplingParams
+    @staticmethod
+    def _lora(adapter: Adapter | None):  # noqa: ANN205
         from vllm.lora.request import LoRARequest
+
+        return LoRARequest(adapter.name, adapter.lora_id, adapter.path) if adapter else None
+
+    def generate(self, prompts: list[str], adapters: list[Adapter | None], cfg: SamplingConfig) -> list[Generation]:
+        from vllm import SamplingParams
 
         # logprobs=0: just the sampled token's log-prob (of the processed distribution,
         # see the engine's logprobs_mode above).
         params = SamplingParams(
-            n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0 if temperature > 0 else None
+            n=cfg.n,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            max_tokens=cfg.max_tokens,
+            stop=list(cfg.stop) or None,
+            logprobs=0,
         )
-        loras = [LoRARequest(a.name, a.lora_id, a.path) if a else None for a in adapters]
+        loras = [self._lora(a) for a in adapters]
         outs = self.llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
         result = []
         for o in outs:
             samples = []
             for c in o.outputs:
-                # vLLM always includes the sampled token in each position's dict; greedy
-                # evaluation asks for no log-probs at all (zeros are never trained on).
-                if c.logprobs:
-                    lps = [d[t].logprob for d, t in zip(c.logprobs, c.token_ids, strict=True)]
-                else:
-                    lps = [0.0] * len(c.token_ids)
+                # strict: a missing log-prob must fail loudly, never train on a made-up value
+                lps = [d[t].logprob for d, t in zip(c.logprobs or [], c.token_ids, strict=True)]
                 samples.append(Sample(list(c.token_ids), lps, c.text, c.finish_reason or "stop"))
             result.append(Generation(list(o.prompt_token_ids or []), samples))
         return result
+
+    def prompt_logprobs(self, token_ids: list[int], adapter: Adapter | None) -> list[float]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        (out,) = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=token_ids)], params, lora_request=[self._lora(adapter)], use_tqdm=False
+        )
+        plp = out.prompt_logprobs or []
+        # Position 0 has no log-prob; each later position's dict holds the prompt token.
+        return [plp[i][t].logprob for i, t in enumerate(token_ids) if i > 0]
+
+    def check(self) -> None:
+        # The multiprocess client flags a dead engine-core process; there is no way back
+        # from that in-process but a restart of the service.
+        resources = getattr(self.llm.llm_engine.engine_core, "resources", None)
+        if getattr(resources, "engine_dead", False):
+            raise EngineError("vLLM engine core died; restart the rollout service")
+
+    def close(self) -> None:
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        except Exception as e:
+            log.debug("engine shutdown: %s", e)
+
+
+class RemoteEngine:
+    """A client of a remote OpenAI-compatible vLLM server (`vllm serve ... --enable-lora`)."""
+
+    mode = "remote"
+    dtype = "unknown"  # the server's numerics (fp16, a GPTQ/AWQ quantization, ...) are not visible here
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        api_key: str = "",
+        served_model: str = "",
+        timeout_s: float = 120.0,
+        concurrency: int = 16,
+        path_map: tuple[str, str] | None = None,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.url = url.rstrip("/")
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+        self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="remote-engine")
+        self.path_map = path_map
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self.served_model = served_model or self._base_model()
+
+    # -- plumbing --------------------------------------------------------------------
+    def _post(self, path: str, body: dict) -> httpx.Response:
+        try:
+            return self.http.post(path, json=body)
+        except httpx.HTTPError as e:  # refused, timed out, reset: the engine is away
+            raise EngineError(f"remote engine {self.url} unreachable: {type(e).__name__}: {e}") from e
+
+    def _json(self, path: str, body: dict) -> dict:
+        resp = self._post(path, body)
+        if resp.status_code >= 500:
+            raise EngineError(f"remote engine {path}: HTTP {resp.status_code}: {resp.text[:300]}")
+        if resp.status_code == 404 and path == "/v1/completions":
+            # The server forgot our adapter: it restarted (runtime-loaded adapters do not
+            # survive that). The worker reloads its adapters once the engine answers again.
+            raise EngineError(f"remote engine lost an adapter (restarted?): {resp.text[:300]}")
+        if resp.status_code >= 400:
+            raise ValueError(f"remote engine {path}: HTTP {resp.status_code}: {resp.text[:300]}")
+        return resp.json()
+
+    def _base_model(self) -> str:
+        try:
+            resp = self.http.get("/v1/models")
+        except httpx.HTTPError as e:
+            raise EngineError(f"remote engine {self.url} unreachable: {type(e).__name__}: {e}") from e
+        if resp.status_code != 200:
+            raise EngineError(f"remote engine {self.url}/v1/models: HTTP {resp.status_code}: {resp.text[:200]}")
+        models = resp.json().get("data", [])
+        # LoRA cards name their base in `parent`; the base model itself has none.
+        bases = [m["id"] for m in models if not m.get("parent")]
+        if not bases:
+            raise EngineError(f"remote engine {self.url} serves no base model")
+        return bases[0]
+
+    def _server_path(self, path: str) -> str:
+        """The adapter folder as the server sees it (its container may mount our cache elsewhere)."""
+        if self.path_map and path.startswith(self.path_map[0]):
+            return self.path_map[1] + path[len(self.path_map[0]) :]
+        return path
+
+    # -- the interface ---------------------------------------------------------------
+    def load_adapter(self, name: str, path: str) -> Adapter:
+        adapter = Adapter(name=name, lora_id=next(self._ids), path=self._server_path(path))
+        resp = self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": adapter.path})
+        if resp.status_code != 200:
+            # The server answers 4xx/5xx for a bad adapter while staying up; a missing
+            # runtime-LoRA switch answers 404 on the route itself, which is a config error.
+            if resp.status_code == 404 and "lora" not in resp.text.lower():
+                raise EngineError("remote engine has no /v1/load_lora_adapter: set VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
+            raise AdapterError(f"remote engine refused adapter {name}: HTTP {resp.status_code}: {resp.text[:300]}")
+        return adapter
+
+    def unload(self, adapter: Adapter) -> None:
+        try:
+            resp = self._post("/v1/unload_lora_adapter", {"lora_name": adapter.name})
+            if resp.status_code not in (200, 404):
+                log.warning("unload %s: HTTP %d %s", adapter.name, resp.status_code, resp.text[:200])
+        except EngineError as e:  # the server is away; it forgets adapters when it restarts anyway
+            log.warning("unload %s: %s", adapter.name, e)
+
+    def _complete(self, prompt: str, adapter: Adapter | None, cfg: SamplingConfig) -> Generation:
+        body = {
+            "model": adapter.name if adapter else self.served_model,
+            "prompt": prompt,
+            "n": cfg.n,
+            "temperature": cfg.temperature,
+            "top_p": cfg.top_p,
+            "max_tokens": cfg.max_tokens,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,  # token ids from the log-prob entries (0.11 has this)
+            "return_token_ids": True,  # newer servers also return prompt ids; older ignore it
+        }
+        if cfg.stop:
+            body["stop"] = list(cfg.stop)
+        out = self._json("/v1/completions", body)
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        prompt_ids = choices[0].get("prompt_token_ids") if choices else None
+        if prompt_ids is None:
+            prompt_ids = self.tokenize(prompt)
+        samples = []
+        for c in choices:
+            lp = c.get("logprobs") or {}
+            ids = c.get("token_ids")
+            if ids is None:
+                ids = [int(t.removeprefix("token_id:")) for t in lp.get("tokens", [])]
+            lps = [float(x) if x is not None else 0.0 for x in lp.get("token_logprobs", [])]
+            if len(lps) != len(ids):
+                raise EngineError(f"remote engine returned {len(lps)} log-probs for {len(ids)} tokens")
+            samples.append(Sample(ids, lps, c.get("text", ""), c.get("finish_reason") or "stop"))
+        return Generation(list(prompt_ids), samples)
+
+    def generate(self, prompts: list[str], adapters: list[Adapter | None], cfg: SamplingConfig) -> list[Generation]:
+        # One request per prompt, sent concurrently: the server batches them together,
+        # and `n` makes it share the prompt's prefill across the G samples.
+        futures = [self.pool.submit(self._complete, p, a, cfg) for p, a in zip(prompts, adapters, strict=True)]
+        return [f.result() for f in futures]
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._json("/tokenize", {"model": self.served_model, "prompt": text})["tokens"])
+
+    def prompt_logprobs(self, token_ids: list[int], adapter: Adapter | None) -> list[float]:
+        body = {
+            "model": adapter.name if adapter else self.served_model,
+            "prompt": token_ids,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": 0,
+        }
+        choice = self._json("/v1/completions", body)["choices"][0]
+        plp = choice.get("prompt_logprobs")
+        if plp is None:  # a server without `prompt_logprobs`: echo the prompt with its log-probs
+            body = {**body, "echo": True, "logprobs": 0, "return_tokens_as_token_ids": True}
+            body.pop("prompt_logprobs")
+            lp = self._json("/v1/completions", body)["choices"][0]["logprobs"]["token_logprobs"]
+            return [float(x) for x in lp[1 : len(token_ids)]]
+        # JSON object keys are strings: {"<token id>": {"logprob": ..., "rank": ...}}
+        return [float(plp[i][str(t)]["logprob"]) for i, t in enumerate(token_ids) if i > 0]
+
+    def check(self) -> None:
+        try:
+            resp = self.http.get("/health", timeout=5)
+        except httpx.HTTPError as e:
+            raise EngineError(f"remote engine {self.url} unreachable: {type(e).__name__}: {e}") from e
+        if resp.status_code != 200:
+            raise EngineError(f"remote engine {self.url}/health: HTTP {resp.status_code}")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.http.close()

