@@ -71,3 +71,63 @@ def test_same_model_resolves_local_paths(tmp_path, monkeypatch):
     assert same_model("m", str(tmp_path / "m"))
     assert same_model("Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-0.5B")
     assert not same_model("m", "Qwen/Qwen2.5-0.5B")
+
+
+def test_unknown_task_gets_422_naming_the_field(client):
+    resp = client.post("/v1/jobs", json={"base_model": "m", "task": "no-such-task"})
+    assert resp.status_code == 422
+    assert resp.json()["detail"][0]["loc"] == ["body", "task"]
+    assert "no-such-task" in resp.json()["detail"][0]["msg"]
+
+
+def test_metrics_cursor_returns_only_newer_points(client, r):
+    from shared.metrics import record_point
+
+    job = client.post("/v1/jobs", json={"base_model": "m"}).json()
+    for step in range(3):
+        record_point(r, job["id"], "trainer", {"step": step})
+    record_point(r, job["id"], "rollout", {"groups": 1})
+    every = client.get(f"/v1/jobs/{job['id']}/metrics").json()
+    assert [p["source"] for p in every] == ["trainer"] * 3 + ["rollout"]
+    newer = client.get(f"/v1/jobs/{job['id']}/metrics", params={"after": every[0]["id"]}).json()
+    assert newer == every[1:]
+    trainer = client.get(f"/v1/jobs/{job['id']}/metrics", params={"after": every[0]["id"], "source": "trainer"})
+    assert [p["step"] for p in trainer.json()] == [1, 2]
+    assert client.get(f"/v1/jobs/{job['id']}/metrics", params={"limit": 2}).json() == every[:2]
+    assert client.get(f"/v1/jobs/{job['id']}/metrics", params={"after": "not-an-id"}).status_code == 422
+
+
+def test_services_registry_skips_corrupt_heartbeats(client, r):
+    r.set(keys.service("reward", "r0"), '{"role": "reward", "replica": "r0", "ready": true, "at": 1}')
+    r.set(keys.service("reward", "junk"), "not json")
+    assert [s["replica"] for s in client.get("/v1/services").json()] == ["r0"]
+
+
+def test_up_config_env_tables_yield_to_the_environment(monkeypatch):
+    from services.cli.stack import role_env
+
+    conf = {
+        "env": {"common": {"BURSTRL_HEARTBEAT_S": 1.5}, "rollout": {"BURSTRL_ROLLOUT_MAX_LORAS": 3, "X_FLAG": True}}
+    }
+    monkeypatch.setenv("BURSTRL_HEARTBEAT_S", "4")
+    assert role_env(conf, "rollout", model_given=False) == {"BURSTRL_ROLLOUT_MAX_LORAS": "3", "X_FLAG": "1"}
+    assert role_env(conf, "reward", model_given=False) == {}
+    model = {"env": {"ref": {"BURSTRL_REF_MODEL": "Qwen/Qwen3-0.6B"}}}
+    assert role_env(model, "ref", model_given=True) == {}
+    assert role_env(None, "api", model_given=False) == {}
+
+
+def test_config_files_submit_as_job_specs():
+    """`burstrl submit configs/...toml` posts the file minus its non-job tables."""
+    import tomllib
+    from pathlib import Path
+
+    from services.cli.main import NOT_JOB_TABLES
+    from shared.job import JobSpec
+
+    files = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*/*.toml"))
+    for f in files:
+        spec = tomllib.loads(f.read_text())
+        for table in NOT_JOB_TABLES:
+            spec.pop(table, None)
+        JobSpec(**spec)  # raises on a field the api would refuse

@@ -1,52 +1,97 @@
-"""The api's HTTP surface: thin routers over services/api/jobs.py."""
+"""The api's HTTP surface: thin routers over services/api/jobs.py and overview.py."""
 
 from __future__ import annotations
 
-import json
-import time
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Any
 
-from fastapi import APIRouter, FastAPI, HTTPException
+from fastapi import APIRouter, FastAPI, HTTPException, Query
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
+from fastapi.staticfiles import StaticFiles
 
-from services.api import jobs
+from services.api import jobs, overview
 from shared import keys
 from shared.job import JobRecord, JobSpec
-from shared.metrics import read_points
 from shared.service import ServiceRuntime
+from shared.tasks import task_for_job
+
+STATIC = Path(__file__).resolve().parent / "static"
+# Paths served without a token: liveness/readiness/Prometheus (scrapers and probes carry
+# no secrets) and the dashboard's static files (the page holds no data; every JSON
+# endpoint it calls stays authenticated). tests/test_api_fuzz.py checks every other route.
+PUBLIC_PATHS = {"/healthz", "/readyz", "/metrics", "/", "/dashboard", "/dashboard/static"}
+# A Redis stream id, the cursor of /v1/jobs/{id}/metrics?after=...
+STREAM_ID = r"^\d{1,20}-\d{1,20}$"
+# The page is ours and self-contained: scripts and styles only from the api itself.
+PAGE_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; frame-ancestors 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+
+
+def _not_found(job_id: str) -> HTTPException:
+    return HTTPException(404, f"no job {job_id!r}")
 
 
 def build_routes(rt: ServiceRuntime) -> FastAPI:
     r = rt.redis
     router = APIRouter(prefix="/v1", dependencies=[rt.auth])
 
-    @router.post("/jobs", status_code=201, tags=["jobs"])
+    @router.post("/jobs", status_code=201, tags=["jobs"], responses={422: {"description": "Invalid spec"}})
     def create_job(spec: JobSpec) -> JobRecord:
+        # JobSpec cannot check the task registry or a task's data source; an unknown task
+        # would be accepted here and only fail later in the feeder (ARCHITECTURE invariant 8).
+        try:
+            task_for_job(spec)
+        except (KeyError, ValueError, TypeError, OSError) as e:
+            field = "task" if isinstance(e, KeyError) else "task_spec"
+            msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+            raise HTTPException(
+                422, [{"type": "value_error", "loc": ["body", field], "msg": str(msg), "input": spec.task}]
+            ) from None
         return jobs.create_job(r, spec=spec)
 
     @router.get("/jobs", tags=["jobs"])
     def list_jobs() -> list[JobRecord]:
         return jobs.list_jobs(r)
 
-    @router.get("/jobs/{job_id}", tags=["jobs"])
+    @router.get("/jobs/{job_id}", tags=["jobs"], responses={404: {"description": "No such job"}})
     def get_job(job_id: str) -> dict[str, Any]:
         try:
             return jobs.job_status(r, job_id=job_id)
         except jobs.JobNotFound:
-            raise HTTPException(404, f"no job {job_id!r}") from None
+            raise _not_found(job_id) from None
 
-    @router.get("/jobs/{job_id}/metrics", tags=["jobs"])
-    def job_metrics(job_id: str, source: str | None = None) -> list[dict[str, Any]]:
+    @router.get("/jobs/{job_id}/metrics", tags=["jobs"], responses={404: {"description": "No such job"}})
+    def job_metrics(
+        job_id: str,
+        source: str | None = None,
+        after: Annotated[
+            str | None, Query(pattern=STREAM_ID, description="Only points after this cursor (a point's `id`).")
+        ] = None,
+        limit: Annotated[int, Query(ge=1, le=100_000)] = 100_000,
+    ) -> list[dict[str, Any]]:
+        """The job's metric points, oldest first; each carries `id`, the cursor for `after`."""
         if not r.hexists(keys.jobs_index(), job_id):
-            raise HTTPException(404, f"no job {job_id!r}")
-        return read_points(r, job_id, source)
+            raise _not_found(job_id)
+        return jobs.points_after(r, job_id=job_id, after=after, source=source, limit=limit)
 
     def _action(action: str) -> None:
-        @router.post(f"/jobs/{{job_id}}/{action}", tags=["jobs"], name=f"{action}_job")
+        @router.post(
+            f"/jobs/{{job_id}}/{action}",
+            tags=["jobs"],
+            name=f"{action}_job",
+            responses={404: {"description": "No such job"}, 409: {"description": "Not allowed in this state"}},
+        )
         def act(job_id: str) -> JobRecord:
             try:
                 return jobs.transition(r, job_id=job_id, action=action)
             except jobs.JobNotFound:
-                raise HTTPException(404, f"no job {job_id!r}") from None
+                raise _not_found(job_id) from None
             except jobs.BadTransition as e:
                 raise HTTPException(409, str(e)) from None
 
@@ -55,14 +100,42 @@ def build_routes(rt: ServiceRuntime) -> FastAPI:
 
     @router.get("/services", tags=["services"])
     def services() -> list[dict[str, Any]]:
-        out = []
-        for key in r.scan_iter(match=keys.service_pattern(), count=200):
-            raw = r.get(key)
-            if raw:
-                beat = json.loads(raw)
-                beat["age_s"] = round(time.time() - beat.get("at", 0), 1)
-                out.append(beat)
-        return sorted(out, key=lambda b: (b["role"], b["replica"]))
+        return overview.list_services(r)
+
+    @router.get("/dashboard", tags=["dashboard"])
+    def dashboard_data() -> dict[str, Any]:
+        """Services, and per job: queues, ledger, policy pointer and its adoption by replicas."""
+        return overview.overview(r, sorted(jobs.list_jobs(r), key=lambda j: -j.created_at))
 
     rt.app.include_router(router)
+    _protect_openapi(rt)
+    _mount_dashboard(rt.app)
     return rt.app
+
+
+def _protect_openapi(rt: ServiceRuntime) -> None:
+    """Serve the OpenAPI document behind the token, like every other non-health route.
+
+    FastAPI adds /openapi.json, /docs and /redoc without any dependency. The docs pages
+    load Swagger/ReDoc from a CDN, which offline machines cannot reach, and would need
+    the schema without a token, so they are dropped; the schema stays available.
+    """
+    auto = {"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+    rt.app.router.routes[:] = [rt_ for rt_ in rt.app.router.routes if getattr(rt_, "path", None) not in auto]
+    app = rt.app
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=[rt.auth])
+    def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+
+def _mount_dashboard(app: FastAPI) -> None:
+    @app.get("/", include_in_schema=False)
+    def root() -> RedirectResponse:
+        return RedirectResponse("/dashboard")
+
+    @app.get("/dashboard", include_in_schema=False)
+    def dashboard_page() -> FileResponse:
+        return FileResponse(STATIC / "index.html", media_type="text/html", headers=PAGE_HEADERS)
+
+    app.mount("/dashboard/static", StaticFiles(directory=STATIC), name="dashboard-static")

@@ -9,64 +9,97 @@ would only be dropped as stale.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterator
 
 import redis
 
 from shared import keys
-from shared.bus import FIELD
+from shared.bus import FIELD, trim_job
 from shared.job import JobRecord, JobState, load_job, save_job
 from shared.metrics import read_evals, read_ledger
 from shared.schema import PromptMsg, encode
-from shared.tasks import TaskItem, get_task
+from shared.tasks import TaskItem, task_for_job
+
+log = logging.getLogger(__name__)
+TRIM_EVERY_S = 5.0  # retention pass per job; trimming is cheap but need not run every tick
 
 
 class Feeder:
     def __init__(self, r: redis.Redis) -> None:
         self.r = r
         self._iters: dict[str, tuple[int, Iterator[TaskItem]]] = {}
+        self._trimmed_at: dict[str, float] = {}
 
     def _items(self, rec: JobRecord, fed: int) -> Iterator[TaskItem]:
         pos, it = self._iters.get(rec.id, (-1, iter(())))
         if pos != fed:  # first time, or after an api restart: replay to the durable position
-            it = itertools.islice(get_task(rec.spec.task).train_items(rec.spec.seed), fed, None)
+            it = itertools.islice(task_for_job(rec.spec).train_items(rec.spec.seed), fed, None)
         return it
 
     def tick(self) -> int:
         """Feed every running job up to its window; returns prompts fed."""
         total = 0
-        for raw_id in self.r.smembers(keys.active_jobs()):
-            rec = load_job(self.r, raw_id.decode())
-            if rec is None:
-                continue
-            if rec.state == JobState.completed:
-                self._maybe_retire(rec)
-                continue
-            if rec.state != JobState.running:
-                continue
-            led = read_ledger(self.r, rec.id)
-            room = rec.spec.inflight_window - led["in_flight"]
-            if room <= 0:
-                continue
-            fed = led.get("fed", 0)
-            it = self._items(rec, fed)
-            pipe = self.r.pipeline(transaction=True)
-            for n, item in enumerate(itertools.islice(it, room)):
-                msg = PromptMsg(
-                    job_id=rec.id,
-                    group_id=f"{rec.id}:g{fed + n}",
-                    item_id=item.item_id,
-                    prompt=item.prompt,
-                    fields=item.fields,
-                    fed_at=time.time(),
-                )
-                pipe.xadd(keys.prompts(rec.id), {FIELD: encode(msg)})
-            pipe.hincrby(keys.ledger(rec.id), "fed", room)
-            pipe.execute()
-            self._iters[rec.id] = (fed + room, it)
-            total += room
+        for raw_id in sorted(self.r.smembers(keys.active_jobs())):
+            job_id = raw_id.decode()
+            try:
+                total += self._feed(job_id)
+                self._trim(job_id)
+            except redis.ConnectionError:
+                raise  # the whole api is not ready: let ServiceRuntime.survive say so
+            except Exception:
+                # One broken job (say, a task whose prompt source raises) must not starve
+                # every job after it in the set.
+                log.exception("feeding job %s failed; other jobs carry on", job_id)
+                self._iters.pop(job_id, None)
         return total
+
+    def _feed(self, job_id: str) -> int:
+        rec = load_job(self.r, job_id)
+        if rec is None:
+            return 0
+        if rec.state == JobState.completed:
+            self._maybe_retire(rec)
+            return 0
+        if rec.state != JobState.running:
+            return 0
+        led = read_ledger(self.r, rec.id)
+        room = rec.spec.inflight_window - led["in_flight"]
+        if room <= 0:
+            return 0
+        fed = led.get("fed", 0)
+        it = self._items(rec, fed)
+        pipe = self.r.pipeline(transaction=True)
+        n = 0
+        for item in itertools.islice(it, room):
+            msg = PromptMsg(
+                job_id=rec.id,
+                group_id=f"{rec.id}:g{fed + n}",
+                item_id=item.item_id,
+                prompt=item.prompt,
+                fields=item.fields,
+                fed_at=time.time(),
+            )
+            pipe.xadd(keys.prompts(rec.id), {FIELD: encode(msg)})
+            n += 1
+        if n == 0:
+            return 0  # a finite prompt source ran out
+        # Count what was actually fed, in the same MULTI/EXEC as the prompts, so the
+        # durable position (`fed`) always equals the prompts in the stream.
+        pipe.hincrby(keys.ledger(rec.id), "fed", n)
+        pipe.execute()
+        self._iters[rec.id] = (fed + n, it)
+        return n
+
+    def _trim(self, job_id: str) -> None:
+        """Retention: drop stream entries every stage has acknowledged (never pending ones)."""
+        now = time.monotonic()
+        if now - self._trimmed_at.get(job_id, 0.0) < TRIM_EVERY_S:
+            return
+        self._trimmed_at[job_id] = now
+        if removed := trim_job(self.r, job_id):
+            log.debug("job %s: trimmed %d acknowledged entries", job_id, removed)
 
     def _maybe_retire(self, rec: JobRecord) -> None:
         """A completed job leaves the active set once its final version is evaluated."""

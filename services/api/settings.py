@@ -9,6 +9,6 @@ from shared.settings import CommonSettings
 class ApiSettings(CommonSettings):
     """api service settings (env prefix BURSTRL_API_, common ones BURSTRL_)."""
 
-    model_config = SettingsConfigDict(env_prefix="BURSTRL_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="BURSTRL_API_", extra="ignore")
 
     feed_interval_s: float = Field(0.2, gt=0, description="How often the feeder tops up prompts.")

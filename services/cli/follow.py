@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -12,9 +13,17 @@ from rich.table import Table
 
 
 def follow_job(
-    api: str, job_id: str, headers: dict[str, str], console: Console, timeout: float = 3600
+    api: str,
+    job_id: str,
+    headers: dict[str, str],
+    console: Console,
+    timeout: float = 3600,
+    on_poll: Callable[[dict[str, Any]], Any] | None = None,
 ) -> dict[str, Any]:
-    """Poll the job until it is completed and its final version evaluated (or it fails)."""
+    """Poll the job until it is completed and its final version evaluated (or it fails).
+
+    `on_poll(status)` runs after each poll (the tracker bridge forwards new points there).
+    """
     deadline = time.time() + timeout
     with Progress(
         TextColumn("[bold]{task.description}"),
@@ -41,6 +50,8 @@ def follow_job(
                 completed=status["policy_version"],
                 info=f"reward {last.get('reward_mean', 0):.2f}  {acc}  in-flight {status['ledger'].get('in_flight', 0)}",
             )
+            if on_poll:
+                _poll_hook(on_poll, status, bar, task)
             state = status["job"]["state"]
             final_eval = any(e["version"] == status["policy_version"] for e in evals)
             if state in ("cancelled", "failed") or (state == "completed" and final_eval):
@@ -50,6 +61,24 @@ def follow_job(
         f"{api}/v1/jobs/{job_id}/metrics", params={"source": "trainer"}, headers=headers, timeout=30
     ).json()
     return status
+
+
+def _poll_hook(on_poll: Callable[[dict[str, Any]], Any], status: dict[str, Any], bar: Progress, task: Any) -> None:
+    # A tracker failing (disk full, bad dir) must not stop following the job itself.
+    try:
+        on_poll(_bridge_status(status))
+    except Exception as e:  # noqa: BLE001
+        bar.update(task, info=f"[yellow]tracker: {type(e).__name__}: {e}")
+
+
+def _bridge_status(status: dict[str, Any]) -> dict[str, Any]:
+    """The api's job status in the shape the tracker bridge takes."""
+    return {
+        "state": status["job"]["state"],
+        "policy_version": status["policy_version"],
+        "evals": status["evals"],
+        "spec": status["job"]["spec"],
+    }
 
 
 def print_summary(status: dict[str, Any], console: Console) -> None:

@@ -36,15 +36,31 @@ def init_model(
     console.print(f"[green]model ready:[/] {path}")
 
 
+# Tables of a job/config TOML that are not JobSpec fields (see configs/): who made the
+# file, the planner's answer, per-role tuning and each service's environment.
+NOT_JOB_TABLES = ("meta", "plan", "tuning", "env")
+
+
 @app.command()
 def up(
-    model: Annotated[Path, typer.Option(help="Base model for rollout/ref.")] = TINY,
+    model: Annotated[Path | None, typer.Option(help="Base model for rollout/ref (default: the tiny model).")] = None,
     roles: Annotated[str, typer.Option(help="Comma-separated roles to start.")] = "api,reward,ref,rollout,trainer",
+    config: Annotated[
+        Path | None,
+        typer.Option(help="A TOML file whose [env.common] / [env.<role>] tables set each service's environment."),
+    ] = None,
 ) -> None:
-    """Start Redis (unless REDIS_URL is set) and the services as local processes."""
+    """Start Redis (unless REDIS_URL is set) and the services as local processes.
+
+    Settings come from the environment; with --config, the file's [env.*] tables fill in
+    what the environment does not set (the environment always wins).
+    """
     from services.cli.stack import start_stack
 
-    start_stack(HOME, str(model.resolve()), roles.split(","), log=console.print)
+    conf = tomllib.loads(config.read_text()) if config else None
+    start_stack(
+        HOME, str((model or TINY).resolve()), roles.split(","), log=console.print, config=conf, model_given=bool(model)
+    )
 
 
 @app.command()
@@ -56,16 +72,31 @@ def down() -> None:
     console.print("stopped")
 
 
+TrackTo = Annotated[
+    str | None,
+    typer.Option(
+        "--track", help="Also forward the job's metrics to tensorboard, wandb (offline) or mlflow (file store)."
+    ),
+]
+TrackDir = Annotated[
+    str, typer.Option("--track-dir", help="Where the tracker writes (for mlflow also a tracking URI).")
+]
+
+
 @app.command()
 def submit(
     job: Annotated[Path, typer.Argument(help="Job TOML file (fields of JobSpec).")],
     follow: bool = False,
     api: str | None = None,
+    track: TrackTo = None,
+    track_dir: TrackDir = str(HOME / "tracking"),
 ) -> None:
     """Submit a job over HTTP; --follow shows its progress until it finishes."""
     import httpx
 
     spec: dict[str, Any] = tomllib.loads(job.read_text())
+    for table in NOT_JOB_TABLES:
+        spec.pop(table, None)
     base = Path(str(spec.get("base_model", ""))).expanduser()
     if spec.get("base_model") and base.exists():  # a local path means the submitter's cwd
         spec["base_model"] = str(base.resolve())
@@ -77,11 +108,71 @@ def submit(
     resp.raise_for_status()
     job_id = resp.json()["id"]
     console.print(f"submitted [bold]{job_id}[/]")
+    if track and not follow:
+        console.print(f"[yellow]--track forwards while following; later: burstrl track {job_id} --to {track}[/]")
     if follow:
         from services.cli.follow import follow_job, print_summary
 
-        status = follow_job(_api(api), job_id, _headers(), console)
+        bridge = None
+        if track:
+            from services.cli.track import ApiSource, open_bridge
+
+            bridge = open_bridge(ApiSource(_api(api), job_id, _headers()), job_id, track, track_dir, spec=spec)
+            console.print(f"tracking to {track} in {track_dir}")
+        try:
+            status = follow_job(_api(api), job_id, _headers(), console, on_poll=bridge.sync if bridge else None)
+        finally:
+            if bridge:
+                bridge.close()
         print_summary(status, console)
+
+
+@app.command()
+def track(
+    job_id: Annotated[str, typer.Argument(help="The job whose metrics to forward.")],
+    to: Annotated[str, typer.Option(help="tensorboard, wandb (offline mode) or mlflow (file store).")],
+    out_dir: Annotated[
+        str, typer.Option("--dir", help="Where the tracker writes (mlflow: also a tracking URI).")
+    ] = str(HOME / "tracking"),
+    follow: Annotated[bool, typer.Option(help="Keep forwarding until the job finishes.")] = False,
+    interval: Annotated[float, typer.Option(help="Seconds between polls with --follow.")] = 5.0,
+    redis_url: Annotated[
+        str | None, typer.Option("--redis", help="Read Redis directly (REDIS_URL form) instead of the api.")
+    ] = None,
+    api: str | None = None,
+    project: Annotated[str, typer.Option(help="W&B project / MLflow experiment.")] = "burstrl",
+) -> None:
+    """Forward a job's metric points and evaluations to an experiment tracker, offline."""
+    from services.cli.track import TRACKERS, ApiSource, RedisSource, Source, open_bridge, run_bridge
+
+    if to not in TRACKERS:
+        console.print(f"[red]--to must be one of {', '.join(TRACKERS)}[/]")
+        raise typer.Exit(2)
+    source: Source = RedisSource(redis_url, job_id) if redis_url else ApiSource(_api(api), job_id, _headers())
+    spec = source.status()["spec"]
+    bridge = open_bridge(source, job_id, to, out_dir, project=project, spec=spec)
+    total = 0
+
+    def report(n: int, status: dict[str, Any]) -> None:
+        nonlocal total
+        total += n
+        if n:
+            console.print(f"{job_id}: {status['state']}, v{status['policy_version']}: +{n} scalars ({total} in all)")
+
+    run_bridge(bridge, follow=follow, interval_s=interval, on_sync=report)
+    console.print(f"forwarded {total} scalars to {to} in {out_dir}")
+
+
+@app.command()
+def logs(
+    service: Annotated[str, typer.Argument(help="api, reward, ref, rollout, trainer or redis.")],
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines (Ctrl-C stops).")] = False,
+    lines: Annotated[int, typer.Option("--lines", "-n", help="Lines of history to print first.")] = 50,
+) -> None:
+    """The log of a process started by `burstrl up` (<BURSTRL_HOME>/run/logs/<service>.log)."""
+    from services.cli.logs import show_log
+
+    raise typer.Exit(show_log(HOME / "run", service, follow=follow, lines=lines))
 
 
 @app.command()

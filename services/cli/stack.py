@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from services.cli.launch import Launcher, port_open
 from shared.settings import DEFAULT_PORTS
@@ -20,13 +21,45 @@ def stack_env(home: Path, model: str, redis_url: str, store_url: str | None = No
         "BURSTRL_REF_MODEL": model,
         "BURSTRL_TRAINER_THREADS": "1",  # 2-core laptops: leave a core to vLLM
         "TOKENIZERS_PARALLELISM": "false",
+        # vLLM's "auto" dtype runs an fp32 checkpoint in bf16 on CPU; in fp32 the sampler's
+        # log-probs match the fp32 trainer's and the version probe can use a tight tolerance.
+        "BURSTRL_ROLLOUT_DTYPE": os.environ.get("BURSTRL_ROLLOUT_DTYPE", "float32"),
     }
     if not os.environ.get("BURSTRL_TOKEN"):
         env["BURSTRL_DEV"] = "1"  # loopback-only local-dev mode
     return env
 
 
-def start_stack(home: Path, model: str, roles: list[str], *, log: Callable[[str], None] = print) -> Launcher:
+def role_env(config: dict[str, Any] | None, role: str, model_given: bool) -> dict[str, str]:
+    """A config file's `[env.common]` and `[env.<role>]` tables, minus what the real
+    environment sets: the process environment always overrides the file.
+
+    The files in configs/ carry these tables (env of each service, as the planner sized
+    it); `burstrl up --config FILE` applies them. An explicit --model wins over the file.
+    """
+    tables = (config or {}).get("env", {})
+    merged: dict[str, Any] = {**tables.get("common", {}), **tables.get(role, {})}
+    if model_given:
+        merged = {k: v for k, v in merged.items() if k not in ("BURSTRL_ROLLOUT_MODEL", "BURSTRL_REF_MODEL")}
+    out = {}
+    for k, v in merged.items():
+        if k in os.environ:
+            continue
+        if isinstance(v, dict | list):
+            raise ValueError(f"[env.{role}] {k}: expected a string, number or boolean")
+        out[k] = ("1" if v else "0") if isinstance(v, bool) else str(v)
+    return out
+
+
+def start_stack(
+    home: Path,
+    model: str,
+    roles: list[str],
+    *,
+    log: Callable[[str], None] = print,
+    config: dict[str, Any] | None = None,
+    model_given: bool = True,
+) -> Launcher:
     launcher = Launcher(home / "run")
     launcher.stop_all()  # idempotent: leftovers of an earlier run are stopped first
     for role in roles:
@@ -36,7 +69,7 @@ def start_stack(home: Path, model: str, roles: list[str], *, log: Callable[[str]
     log(f"redis: {redis_url}")
     env = stack_env(home, model, redis_url)
     for role in roles:
-        p = launcher.start_service(role, env)
+        p = launcher.start_service(role, {**env, **role_env(config, role, model_given)})
         log(f"started {role:<8} pid {p.pid}  http://127.0.0.1:{p.port}  log {p.log}")
     launcher.wait_ready(roles, timeout=600)
     log("all services ready")
