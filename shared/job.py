@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared import keys
+from shared.tasks.spec import TaskSpec
 
 if TYPE_CHECKING:
     import redis
@@ -38,6 +39,67 @@ class SamplingSpec(BaseModel):
     temperature: float = Field(1.0, gt=0.0, le=2.0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     max_tokens: int = Field(8, ge=1, le=8192, description="Completion length cap.")
+    stop: list[str] = Field(
+        default_factory=list, max_length=16, description="Stop strings (not included in the completion)."
+    )
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_non_empty(cls, v: list[str]) -> list[str]:
+        if any(not s or len(s) > 64 for s in v):
+            raise ValueError("each stop string must be 1..64 characters")
+        return v
+
+
+class AlgorithmSpec(BaseModel):
+    """The trainer's algorithm choices. Defaults reproduce the original GRPO recipe.
+
+    The top-level kl_coef / clip_low / clip_high / tis_cap fields of JobSpec stay where
+    they are (other stages and the demo read them); this block adds what varies between
+    GRPO-family papers.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    advantage: Literal["grpo", "dr_grpo", "rloo", "distill"] = Field(
+        "grpo",
+        description="grpo: (r - group mean) / group std; dr_grpo: r - group mean; rloo: leave-one-out baseline; "
+        "distill: per-token teacher-minus-sampler log-prob (the ref model is the teacher).",
+    )
+    ratio_level: Literal["token", "sequence"] = Field(
+        "token", description="PPO ratio per token (GRPO/DAPO) or per sequence (GSPO: geometric mean)."
+    )
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field(
+        "token-mean",
+        description="How per-token losses become one number: token-mean (DAPO), seq-mean-token-mean (GRPO), "
+        "seq-mean-token-sum, or seq-mean-token-sum-norm (Dr.GRPO: / sampling.max_tokens).",
+    )
+    ppo_epochs: int = Field(1, ge=1, le=16, description="Passes over each batch.")
+    minibatches: int = Field(1, ge=1, le=4096, description="Optimizer steps per pass (groups split evenly).")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Estimator of KL(policy || ref).")
+    kl_in: Literal["loss", "reward"] = Field(
+        "loss", description="KL term in the loss, or subtracted from each completion's reward (detached)."
+    )
+    entropy_coef: float = Field(0.0, ge=0.0, le=1.0, description="Entropy bonus weight (token-mean entropy).")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO: drop groups whose rewards are all equal (counted as dropped_zero_variance)."
+    )
+    mismatch: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"] = Field(
+        "token_truncate",
+        description="Sampler/trainer correction: importance weight trainer/sampler per token or sequence, "
+        "truncated at tis_cap or masked (zeroed) outside [mismatch_min, tis_cap].",
+    )
+    mismatch_min: float = Field(0.0, ge=0.0, le=1.0, description="Lower bound of the mismatch weight.")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="LR after warmup.")
+    warmup_steps: int = Field(0, ge=0, le=1_000_000, description="Linear LR warmup, in optimizer steps.")
+    finetune: Literal["lora", "full"] = Field("lora", description="LoRA adapter (all linear layers) or all weights.")
+    distill_reward_weight: float = Field(
+        0.0,
+        ge=0.0,
+        le=100.0,
+        description="distill only: weight of the verifier's group-relative (GRPO) advantage added to every "
+        "token's distillation advantage; 0 distills from the teacher alone.",
+    )
 
 
 class JobSpec(BaseModel):
@@ -53,6 +115,7 @@ class JobSpec(BaseModel):
     )
     task: str = Field("arith", description="Registered task name (prompt source + verifier).")
     verifier: str = Field("", description="Verifier override; empty uses the task's own.")
+    task_spec: TaskSpec = Field(default_factory=TaskSpec, description="Prompt source, template, weighted verifiers.")
     group_size: int = Field(8, ge=2, le=256, description="Completions per prompt (G).")
     batch_size: int = Field(8, ge=1, le=4096, description="Groups per optimizer step.")
     steps: int = Field(20, ge=1, le=1_000_000, description="Optimizer steps (policy versions).")
@@ -60,9 +123,15 @@ class JobSpec(BaseModel):
     lora_rank: int = Field(16, ge=1, le=256, description="LoRA rank (vLLM supports 8..256).")
     lora_alpha: int = Field(32, ge=1, le=1024, description="LoRA alpha.")
     kl_coef: float = Field(0.0, ge=0.0, le=10.0, description="KL-to-reference weight; 0 skips ref.")
+    teacher: str = Field(
+        "",
+        description="Hub id or local path of a teacher (same tokenizer as base_model) that replaces base_model as "
+        "the reference: algorithm.advantage='distill' distills from it, kl_coef > 0 regularises toward it.",
+    )
     clip_low: float = Field(0.2, ge=0.0, le=1.0, description="PPO clip below 1 (epsilon_low).")
     clip_high: float = Field(0.28, ge=0.0, le=10.0, description="PPO clip above 1 (DAPO).")
     tis_cap: float = Field(2.0, ge=1.0, description="Truncated importance-sampling cap.")
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     max_staleness: int = Field(1, ge=0, le=64, description="Max policy versions a sample may lag.")
     eval_size: int = Field(64, ge=0, le=100_000, description="Held-out prompts per evaluation.")
     seed: int = Field(0, ge=0, description="Seeds prompt order and the trainer.")
@@ -81,10 +150,29 @@ class JobSpec(BaseModel):
             raise ValueError("lora_alpha above 16 x lora_rank makes LoRA updates explode")
         return self
 
+    @model_validator(mode="after")
+    def _minibatches_fit(self) -> Self:
+        if self.algorithm.minibatches > self.batch_size:
+            raise ValueError("algorithm.minibatches must not exceed batch_size (each needs at least one group)")
+        return self
+
+    @model_validator(mode="after")
+    def _teacher_is_used(self) -> Self:
+        if self.teacher and self.algorithm.advantage != "distill" and self.kl_coef == 0.0:
+            raise ValueError("teacher is set but unused: set algorithm.advantage = 'distill' or kl_coef > 0")
+        if self.algorithm.distill_reward_weight > 0.0 and self.algorithm.advantage != "distill":
+            raise ValueError("algorithm.distill_reward_weight needs algorithm.advantage = 'distill'")
+        return self
+
     @property
     def uses_ref(self) -> bool:
-        """The ref stage runs only when there is a KL term."""
-        return self.kl_coef > 0.0
+        """The ref stage runs only when there is a KL term or a teacher to distill from."""
+        return self.kl_coef > 0.0 or self.algorithm.advantage == "distill" or bool(self.teacher)
+
+    @property
+    def reference_model(self) -> str:
+        """What the ref stage scores under: the teacher if set, else the base model (the LoRA's base)."""
+        return self.teacher or self.base_model
 
     @property
     def inflight_window(self) -> int:
