@@ -25,8 +25,7 @@ import torch
 
 from services.trainer.checkpoint import (
     TrainState,
-    latest_checkpoint,
-    load_checkpoint,
+    load_newest_valid,
     optimizer_from_tensors,
     prune_checkpoints,
     rng_restore,
@@ -122,9 +121,9 @@ class JobTrainer:
 
     # -- resume ----------------------------------------------------------------------
     def _restore(self) -> None:
-        step = latest_checkpoint(self.store, self.rec.id)
-        if step is not None:
-            ck = load_checkpoint(self.store, self.rec.id, step)  # hashes verified
+        ck = load_newest_valid(self.store, self.rec.id)  # hashes verified; corrupt ones skipped
+        if ck is not None:
+            step = ck.state.step
             load_policy_files(self.model, ck.files)  # into the fresh adapter: never applied on top of another
             optimizer_from_tensors(self.learner.opt, ck.opt_tensors, ck.param_groups)
             if ck.scheduler:
@@ -283,9 +282,11 @@ class JobTrainer:
         t1 = time.time()
         self._publish(files)
         self.publish_times.append(time.time() - t1)
+        # Pointer before the ack: the ack frees feeder room, and prompts fed then should
+        # find the new version already announced, so rollout samples them with it.
+        self._advance_pointer()
         if checkpointed:
             self._ack_checkpointed()  # ... then acknowledged
-        self._advance_pointer()
         t_pub = time.time() - t0 - t_train - t_ckpt
         self.step_times.append(t_train + t_pub)
         self._record(items, res, wait_s=wait_s, t_train=t_train, t_pub=t_pub, t_ckpt=t_ckpt, checkpointed=checkpointed)
