@@ -21,6 +21,7 @@ are redelivered first and dropped ones are skipped, so a watermark cannot tell t
 from __future__ import annotations
 
 import json
+import logging
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +30,9 @@ import numpy as np
 import torch
 from safetensors.torch import load, save
 
-from shared.store import MANIFEST, ObjectStore, get_folder, put_folder
+from shared.store import MANIFEST, ObjectStore, VerificationError, get_folder, put_folder
+
+log = logging.getLogger(__name__)
 
 OPTIMIZER = "optimizer.safetensors"
 STATE = "state.json"
@@ -169,6 +172,20 @@ def load_checkpoint(store: ObjectStore, job_id: str, step: int) -> Checkpoint:
         step=meta["step"], trained_groups=meta["trained_groups"], data=meta.get("data", {}), extra=meta["extra"]
     )
     return Checkpoint(state, files, opt_tensors, meta["param_groups"], meta.get("scheduler"), meta.get("rng", {}))
+
+
+def load_newest_valid(store: ObjectStore, job_id: str) -> Checkpoint | None:
+    """The newest checkpoint that verifies; ones whose files do not match their manifest are skipped.
+
+    Only verification failures are skipped: an unreachable store raises, so an outage
+    never makes the trainer fall back to an older checkpoint (or to none).
+    """
+    for step in reversed(checkpoint_steps(store, job_id)):
+        try:
+            return load_checkpoint(store, job_id, step)
+        except (VerificationError, ValueError) as e:  # ValueError: a manifest or state.json that is not JSON
+            log.error("job %s: checkpoint step %d is corrupt, skipped (never loaded): %s", job_id, step, e)
+    return None
 
 
 def prune_checkpoints(store: ObjectStore, job_id: str, keep: int) -> list[int]:
