@@ -1,29 +1,20 @@
-"""`python -m services.ref`: attaches reference log-probs to scored groups (KL jobs only)."""
+"""`python -m services.ref`: attaches reference (or teacher) log-probs to scored groups.
+
+Only jobs with a KL term or a teacher route their groups here (`JobSpec.uses_ref`); a
+replica handles the jobs whose reference model is the one it serves.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
 
-import msgspec
-from pydantic import Field
-from pydantic_settings import SettingsConfigDict
+from services.ref.settings import RefSettings
+from shared.service import ServiceRuntime, setup_logging
 
-from shared import keys
-from shared.bus import Bus, Entry
-from shared.job import load_job, same_model
-from shared.schema import GroupMsg, decode, encode, pack_f32, unpack_i32
-from shared.service import ServiceRuntime, active_job_ids, setup_logging
-from shared.settings import CommonSettings
+__all__ = ["RefSettings", "main"]  # RefSettings is imported from here by deploy checks
 
 log = logging.getLogger("burstrl.ref")
-
-
-class RefSettings(CommonSettings):
-    """ref settings: env BURSTRL_REF_*."""
-
-    model_config = SettingsConfigDict(env_prefix="BURSTRL_REF_", extra="ignore")
-    model: str = Field(..., description="Reference model (the base model when training LoRA).")
-    device: str = Field("cpu", description="cpu or cuda.")
 
 
 def main() -> None:
@@ -31,43 +22,40 @@ def main() -> None:
     settings = RefSettings()
     rt = ServiceRuntime("ref", settings)
     rt.start()
-    rt.health.set("model", False, f"loading {settings.model}")
-    from services.ref.engine import HFScorer
-
-    scorer = HFScorer(settings.model, settings.device)
-    rt.health.set("model", True)
+    rt.health.set("model", False, f"loading {settings.model} ({settings.engine} engine)")
     rt.preflight()
-    bus = Bus(rt.redis, keys.GROUP_REF, settings.replica)
 
-    def handle(e: Entry) -> None:
-        rec = load_job(rt.redis, e.job_id)
-        if rec is None or not same_model(rec.spec.base_model, settings.model):
-            bus.dead_letter(e, "job unknown or its base model is not this ref's model")
-            return
+    from services.ref.engine import EngineError, build_scorer
+    from services.ref.worker import RefWorker
+
+    scorer = None
+    while scorer is None and not rt.stop.is_set():
         try:
-            g = decode(e.data, GroupMsg)
-        except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as err:
-            bus.dead_letter(e, f"undecodable group: {err}")
-            return
-        try:
-            lps = scorer.score(
-                unpack_i32(g.prompt_ids).tolist(), [unpack_i32(c.token_ids).tolist() for c in g.completions]
-            )
-        except ValueError as err:  # too long for the reference: rejected per group, not a crash
-            bus.dead_letter(e, str(err))
-            return
-        for c, lp in zip(g.completions, lps, strict=True):
-            c.ref_logprobs = pack_f32(lp)
-        g.stage = "ready"
-        bus.forward([e], [(keys.ready(e.job_id), encode(g))], {e.job_id: {"refd": 1}})
+            scorer = build_scorer(settings)
+        except EngineError as e:  # stay up and say why in /readyz; a remote server may come later
+            rt.health.set("model", False, str(e))
+            rt.stop.wait(settings.engine_retry_s)
+    if scorer is None:
+        rt.shutdown()
+        return
+    rt.health.set("model", True, f"{settings.model} ({scorer.mode}, {scorer.dtype}, context {scorer.max_len})")
+    worker = RefWorker(rt, settings, scorer)
+    last_check = 0.0
 
     def tick() -> None:
-        streams = [keys.scored(j) for j in active_job_ids(rt.redis)]
-        for e in bus.read(streams, count=16, block_ms=1000):
-            handle(e)
+        nonlocal last_check
+        if time.monotonic() - last_check > 10:  # a remote server may go away between batches
+            last_check = time.monotonic()
+            try:
+                scorer.check()
+                rt.health.set("engine", True)
+            except EngineError as e:
+                rt.health.set("engine", False, str(e))
+        worker.tick()
 
     while not rt.stop.is_set():
         rt.survive(tick)
+    scorer.close()
     rt.shutdown()
 
 
