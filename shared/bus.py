@@ -49,17 +49,53 @@ class BusStats:
     settle_s: float = 0.0
 
 
-# KEYS: input stream, ledger hash, output streams...
-# ARGV: group, entry id, field, n_outputs, payloads..., n_counters, (name, n)...
+# One call settles a batch of units, each at most once. KEYS: every stream and ledger
+# key the batch touches. ARGV: group, field, n_units, then per unit: input key index,
+# entry id, ledger key index, n_outputs, (output key index, payload)..., n_counters,
+# (name, n)... Returns how many units were settled now (their XACK removed the entry).
 SETTLE_LUA = """
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
-local nout = tonumber(ARGV[4])
-for i = 1, nout do redis.call('XADD', KEYS[2 + i], '*', ARGV[3], ARGV[4 + i]) end
-local base = 5 + nout
-for j = 1, tonumber(ARGV[base]) do
-  redis.call('HINCRBY', KEYS[2], ARGV[base + 2 * j - 1], ARGV[base + 2 * j])
+local group, field = ARGV[1], ARGV[2]
+local i, done = 4, 0
+local sums, order = {}, {}  -- counters summed per (ledger, name): one HINCRBY each
+for _ = 1, tonumber(ARGV[3]) do
+  local fresh = redis.call('XACK', KEYS[tonumber(ARGV[i])], group, ARGV[i + 1]) == 1
+  local ledger = KEYS[tonumber(ARGV[i + 2])]
+  local nout = tonumber(ARGV[i + 3])
+  i = i + 4
+  if fresh then done = done + 1 end
+  for _ = 1, nout do
+    if fresh then redis.call('XADD', KEYS[tonumber(ARGV[i])], '*', field, ARGV[i + 1]) end
+    i = i + 2
+  end
+  local ncount = tonumber(ARGV[i])
+  i = i + 1
+  for _ = 1, ncount do
+    if fresh then
+      local key = ledger .. '\0' .. ARGV[i]
+      if sums[key] == nil then
+        sums[key] = 0
+        table.insert(order, {ledger, ARGV[i], key})
+      end
+      sums[key] = sums[key] + tonumber(ARGV[i + 1])
+    end
+    i = i + 2
+  end
 end
-return 1
+for _, c in ipairs(order) do redis.call('HINCRBY', c[1], c[2], sums[c[3]]) end
+return done
+"""
+
+
+# A batch acknowledged with the same counters (the trainer's step, a drop). KEYS: stream,
+# ledger. ARGV: group, n_names, names..., entry ids... Each counter rises by how many
+# entries XACK removed from the pending list right now.
+ACK_LUA = """
+local nnames = tonumber(ARGV[2])
+local acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 3 + nnames))
+if acked > 0 then
+  for j = 1, nnames do redis.call('HINCRBY', KEYS[2], ARGV[2 + j], acked) end
+end
+return acked
 """
 
 
@@ -85,6 +121,7 @@ class Bus:
         self._last_claim = 0.0
         self.stats = BusStats()
         self._settle_script = r.register_script(SETTLE_LUA)
+        self._ack_script = r.register_script(ACK_LUA)
 
     @staticmethod
     def ensure_groups(r: redis.Redis, job_id: str) -> None:
@@ -165,36 +202,64 @@ class Bus:
         return self.ack(entries, ledger)
 
     def ack(self, entries: list[Entry], ledger: dict[str, dict[str, int]] | None = None) -> int:
-        """Acknowledge entries; `ledger` counts must be one per entry of each job (or absent)."""
-        per_entry: dict[str, dict[str, int]] = {}
+        """Acknowledge entries; `ledger` counts must be one per entry of each job (or absent).
+
+        Counters go up by the number of entries this call actually removed from the
+        pending list (XACK's own count, in the same script), so an entry acknowledged
+        twice is counted once. Returns that number.
+        """
+        by_stream: dict[str, list[Entry]] = {}
+        for e in entries:
+            by_stream.setdefault(e.stream, []).append(e)
         for job_id, counters in (ledger or {}).items():
-            n = sum(1 for e in entries if e.job_id == job_id)
+            n = sum(len(es) for es in by_stream.values() if es[0].job_id == job_id)
             for name, total in counters.items():
                 if total != n:
                     raise ValueError(f"ledger counter {name}={total} for {n} entries of job {job_id}: need one each")
-            per_entry[job_id] = {name: 1 for name in counters}
-        return self.settle([(e, [], per_entry.get(e.job_id, {})) for e in entries])
+        if not entries:
+            return 0
+        t0 = time.perf_counter()
+        pipe = self.r.pipeline(transaction=False)
+        for stream, es in by_stream.items():
+            job_id = es[0].job_id
+            names = list((ledger or {}).get(job_id, {}))
+            for i in range(0, len(es), 1000):  # Lua's unpack() has a stack limit of ~8000 values
+                ids = [e.id for e in es[i : i + 1000]]
+                self._ack_script(
+                    keys=[stream, keys.ledger(job_id)], args=[self.group, len(names), *names, *ids], client=pipe
+                )
+        done = sum(int(x) for x in pipe.execute())
+        self.stats.settle_s += time.perf_counter() - t0
+        if done < len(entries):
+            log.warning("%d of %d entries were already acknowledged elsewhere", len(entries) - done, len(entries))
+        return done
 
     def settle(self, units: list[tuple[Entry, list[tuple[str, bytes]], dict[str, int]]]) -> int:
         """Settle each (input entry, outputs, counters) atomically and at most once.
 
-        One server-side script per unit: XACK the input, and only if that removed it
-        from the pending list, XADD the outputs and bump the counters. A consumer that
-        was presumed dead and whose entry was reclaimed and handled by another replica
-        therefore cannot hand the entry on a second time or count it twice.
+        One server-side script call for the whole batch (one round trip); per unit it
+        XACKs the input, and only if that removed it from the pending list, XADDs the
+        outputs and bumps the counters. A consumer that was presumed dead and whose entry
+        was reclaimed and handled by another replica therefore cannot hand the entry on a
+        second time or count it twice. Returns the units settled now.
         """
         if not units:
             return 0
         t0 = time.perf_counter()
-        pipe = self.r.pipeline(transaction=False)
+        index: dict[str, int] = {}
+
+        def k(key: str) -> int:  # 1-based position in KEYS
+            return index.setdefault(key, len(index) + 1)
+
+        args: list[bytes | str | int] = [self.group, FIELD, len(units)]
         for e, outputs, counters in units:
-            keys_ = [e.stream, keys.ledger(e.job_id), *(s for s, _ in outputs)]
-            args: list[bytes | str | int] = [self.group, e.id, FIELD, len(outputs), *(p for _, p in outputs)]
+            args += [k(e.stream), e.id, k(keys.ledger(e.job_id)), len(outputs)]
+            for stream, payload in outputs:
+                args += [k(stream), payload]
             args.append(len(counters))
             for name, n in counters.items():
                 args += [name, n]
-            self._settle_script(keys=keys_, args=args, client=pipe)
-        done = sum(int(x) for x in pipe.execute())
+        done = int(self._settle_script(keys=list(index), args=args))
         self.stats.settle_s += time.perf_counter() - t0
         if done < len(units):
             log.warning("%d of %d entries were already acknowledged elsewhere; skipped", len(units) - done, len(units))

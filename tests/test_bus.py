@@ -174,3 +174,12 @@ def test_ledger_balances_through_every_stage(r):
     a = audit(r, JOB)
     assert a.balanced and a.in_flight == 0 and a.counters["dead"] == 1 == a.dead_stream_len
     assert trim_job(r, JOB) == 5 + 4 + 4 + 4
+
+
+def test_a_large_batch_ack_counts_each_entry_once(r):
+    _flow(r, 9000)  # beyond what one Lua unpack() can take (~8000): the ack is chunked
+    bus = Bus(r, keys.GROUP_ROLLOUT, "c")
+    entries = bus.read([keys.prompts(JOB)], count=9000, block_ms=50)
+    assert bus.ack(entries, {JOB: {"trained": 9000}}) == 9000
+    assert bus.ack(entries[:10], {JOB: {"trained": 10}}) == 0  # already acknowledged: not counted again
+    assert read_ledger(r, JOB)["trained"] == 9000 and audit(r, JOB).balanced
