@@ -56,10 +56,7 @@ K8S_VERSION = "1.32.0"
 # Settings other engineers are adding right now; the deployment files already use these names.
 # Drop a name from here once the code reads it; a name that lands under another spelling must be
 # renamed in compose/, deploy/ and configs/ too.
-PENDING = {
-    "BURSTRL_REF_ENGINE": "ref remote-engine mode (services/ref), named after rollout's BURSTRL_ROLLOUT_ENGINE",
-    "BURSTRL_REF_ENGINE_URL": "ref remote-engine mode (services/ref), named after BURSTRL_ROLLOUT_ENGINE_URL",
-}
+PENDING: dict[str, str] = {}  # names a config may use before the code reads them (none now)
 # Read by shared/store.py, or by boto3 itself.
 STORE_ENV = {"STORE_ENDPOINT_URL", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"}
 STORE_ENV |= {"AWS_CA_BUNDLE"}
