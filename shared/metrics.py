@@ -8,6 +8,7 @@ record one twice. The api serves both; the CLI and dashboard draw them.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any
 
@@ -16,32 +17,26 @@ import redis
 
 from shared import keys
 from shared.ledger import consumed
+from shared.schema import decode_point, encode_point
+
+log = logging.getLogger(__name__)
 
 MAX_POINTS = 100_000  # per job; approximate trim keeps Redis memory bounded
 
 
-def _plain(x: Any) -> Any:
-    """numpy / torch scalars -> Python numbers (msgspec's hook for unknown types)."""
-    if hasattr(x, "item"):
-        return x.item()
-    raise TypeError(f"metric value of type {type(x).__name__} is not a number, string, list or dict")
-
-
-# NaN and infinities become null: a NaN loss must show as a gap on the dashboard, not
-# make every JSON reader (browsers' JSON.parse included) reject the whole series.
-_encode_point = msgspec.json.Encoder(enc_hook=_plain).encode
-
-
 def record_point(r: redis.Redis, job_id: str, source: str, values: dict[str, Any]) -> None:
     """Append one point (flat JSON: source, at, then the values) to the job's series."""
-    point = {"source": source, "at": time.time(), **values}
-    r.xadd(keys.metrics(job_id), {b"m": _encode_point(point)}, maxlen=MAX_POINTS, approximate=True)
+    r.xadd(keys.metrics(job_id), {b"m": encode_point(source, time.time(), values)}, maxlen=MAX_POINTS, approximate=True)
 
 
 def read_points(r: redis.Redis, job_id: str, source: str | None = None) -> list[dict[str, Any]]:
     out = []
-    for _, fields in r.xrange(keys.metrics(job_id)):
-        p = json.loads(fields[b"m"])
+    for sid, fields in r.xrange(keys.metrics(job_id)):
+        try:
+            p = decode_point(fields[b"m"])
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:  # a foreign writer: skip, say so
+            log.warning("job %s: metric point %s is not valid metric JSON, skipped: %s", job_id, sid, e)
+            continue
         if source is None or p.get("source") == source:
             out.append(p)
     return out

@@ -1,5 +1,7 @@
-"""Every message that crosses a Redis stream, typed and versioned (msgspec + msgpack).
+"""Every message that crosses Redis, typed and versioned (msgspec).
 
+Stage streams carry msgpack (PromptMsg, GroupMsg, PolicyPublished, DeadLetter); the
+metrics stream and the service heartbeats carry JSON (people and dashboards read them).
 Direction is in each type's docstring. Token ids and log-probs travel as packed
 little-endian arrays (int32 / float32 bytes): ~4x smaller than msgpack lists and
 decoded with one numpy call. Never pickle: a consumer must be able to reject bytes
@@ -8,7 +10,7 @@ it does not understand, and put them on the dead-letter stream with the reason.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -105,6 +107,68 @@ class DeadLetter(msgspec.Struct, kw_only=True):
     reason: str
     payload: bytes
     at: float
+
+
+class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """every service -> Redis key `svc:{role}:{replica}` (JSON, expiring): alive, ready, why not.
+
+    JSON rather than msgpack: dashboards and people read it. Unknown fields are ignored
+    on decode, so a newer service can add a gauge without breaking an older api.
+    """
+
+    v: int = SCHEMA_VERSION
+    role: str
+    replica: str
+    host: str
+    port: int
+    version: str
+    ready: bool
+    reasons: dict[str, str] = {}
+    at: float
+    # Gauges some roles add: rollout and trainer the policy version they serve per job;
+    # reward whether code rewards can run; ref which model and engine it scores with.
+    policy_versions: dict[str, int] = {}
+    sandbox: str = ""
+    ref_model: str = ""
+    ref_engine: str = ""
+
+
+# Top level flat (one series per key); a value may be a small dict or list (histograms, parts).
+MetricValue = float | int | str | bool | None | dict[str, Any] | list[Any]
+
+
+def _plain(x: object) -> object:
+    """numpy / torch scalars -> Python numbers (msgspec's hook for types it does not know)."""
+    if hasattr(x, "item"):
+        return x.item()  # type: ignore[union-attr]
+    raise TypeError(f"metric value of type {type(x).__name__} is not a number, string, list or dict")
+
+
+_json_encoder = msgspec.json.Encoder(enc_hook=_plain)
+_point_decoder = msgspec.json.Decoder(dict[str, MetricValue])
+_beat_decoder = msgspec.json.Decoder(Heartbeat)
+
+
+def encode_point(source: str, at: float, values: dict[str, object]) -> bytes:
+    """any stage -> job metrics stream: one flat JSON point {source, at, **values}.
+
+    NaN and infinities become null: a NaN loss must show as a gap on the dashboard, not
+    make every JSON reader (browsers' JSON.parse included) reject the whole series.
+    """
+    return _json_encoder.encode({"source": source, "at": at, **values})
+
+
+def decode_point(data: bytes) -> dict[str, MetricValue]:
+    """Raises msgspec.ValidationError / DecodeError on a point that is not flat metric JSON."""
+    return _point_decoder.decode(data)
+
+
+def encode_heartbeat(beat: Heartbeat) -> bytes:
+    return _json_encoder.encode(beat)
+
+
+def decode_heartbeat(data: bytes) -> Heartbeat:
+    return _beat_decoder.decode(data)
 
 
 AnyMessage = PromptMsg | GroupMsg | PolicyPublished

@@ -10,7 +10,6 @@ Readiness is a set of named checks the worker updates ("redis", "model", ...), s
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import signal
 import socket
@@ -28,6 +27,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from shared import __version__, keys
 from shared.redis_conn import RedisPolicyError, check_server, connect
+from shared.schema import Heartbeat, encode_heartbeat
 from shared.settings import DEFAULT_PORTS, CommonSettings
 
 log = logging.getLogger(__name__)
@@ -146,18 +146,19 @@ class ServiceRuntime:
                 self.redis.ping()
                 self.health.set("redis", True)
                 ok, checks = self.health.snapshot()
-                beat = {
-                    "role": self.role,
-                    "replica": self.settings.replica,
-                    "host": socket.gethostname(),
-                    "port": self.port,
-                    "version": __version__,
-                    "ready": ok,
-                    "reasons": {k: c["reason"] for k, c in checks.items() if not c["ok"]},
-                    "at": time.time(),
+                beat = Heartbeat(
+                    role=self.role,
+                    replica=self.settings.replica,
+                    host=socket.gethostname(),
+                    port=self.port,
+                    version=__version__,
+                    ready=ok,
+                    reasons={k: c["reason"] for k, c in checks.items() if not c["ok"]},
+                    at=time.time(),
                     **self.gauges,
-                }
-                self.redis.set(keys.service(self.role, self.settings.replica), json.dumps(beat), ex=int(period * 5) + 1)
+                )
+                key = keys.service(self.role, self.settings.replica)
+                self.redis.set(key, encode_heartbeat(beat), ex=int(period * 5) + 1)
             except redis.RedisError as e:
                 self.health.set("redis", False, f"{type(e).__name__}: {e}")
             self.stop.wait(period)

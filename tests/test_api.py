@@ -98,8 +98,10 @@ def test_metrics_cursor_returns_only_newer_points(client, r):
 
 
 def test_services_registry_skips_corrupt_heartbeats(client, r):
-    r.set(keys.service("reward", "r0"), '{"role": "reward", "replica": "r0", "ready": true, "at": 1}')
+    good = '{"role": "reward", "replica": "r0", "host": "h", "port": 1, "version": "0", "ready": true, "at": 1}'
+    r.set(keys.service("reward", "r0"), good)
     r.set(keys.service("reward", "junk"), "not json")
+    r.set(keys.service("reward", "partial"), '{"role": "reward", "replica": "partial", "ready": true, "at": 1}')
     assert [s["replica"] for s in client.get("/v1/services").json()] == ["r0"]
 
 

@@ -7,7 +7,6 @@ own browser downloads are not used (machines are offline).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ import pytest
 from services.cli.launch import Launcher, free_port
 from shared import keys
 from shared.metrics import record_eval, record_point
+from shared.schema import Heartbeat, encode_heartbeat
 
 TOKEN = "dashboard-test-token-0123456789"
 CHROMIUM = os.environ.get("BURSTRL_CHROMIUM", "/usr/bin/chromium")
@@ -87,7 +87,18 @@ def _seed_job(base: str, r) -> str:
     r.set(keys.policy_pointer(job_id), 3)
     r.set(
         keys.service("rollout", "fake-0"),
-        json.dumps({"role": "rollout", "replica": "fake-0", "ready": True, "at": 0, "policy_versions": {job_id: 2}}),
+        encode_heartbeat(
+            Heartbeat(
+                role="rollout",
+                replica="fake-0",
+                host="box",
+                port=1,
+                version="0",
+                ready=True,
+                at=time.time(),
+                policy_versions={job_id: 2},
+            )
+        ),
         ex=60,
     )
     return job_id

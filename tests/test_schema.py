@@ -45,3 +45,18 @@ def test_decode_rejects_future_schema_version():
     g.v = 99
     with pytest.raises(TypeError, match="schema version"):
         decode(encode(g), GroupMsg)
+
+
+def test_heartbeats_round_trip_and_reject_garbage():
+    import msgspec
+
+    from shared.schema import Heartbeat, decode_heartbeat, encode_heartbeat
+
+    beat = Heartbeat(role="rollout", replica="r0", host="h", port=1, version="0", ready=False, at=1.0)
+    beat.reasons = {"engine": "loading"}
+    assert decode_heartbeat(encode_heartbeat(beat)) == beat
+    newer = encode_heartbeat(beat)[:-1] + b',"new_gauge":3}'  # a newer service's extra gauge
+    assert decode_heartbeat(newer) == beat
+    for bad in (b"not json", b'{"role": "x"}', b'{"role":1,"replica":"r","host":"h","port":1,"version":"0"}'):
+        with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
+            decode_heartbeat(bad)

@@ -7,15 +7,16 @@ holds no state of its own and a restarted api shows the same picture.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
+import msgspec
 import redis
 
 from shared import keys
 from shared.job import JobRecord
 from shared.metrics import read_evals, read_ledger
+from shared.schema import decode_heartbeat
 
 # Stage streams in pipeline order, with the consumer group that reads each.
 STAGES = ("prompts", "rollouts", "scored", "ready")
@@ -34,12 +35,10 @@ def list_services(r: redis.Redis) -> list[dict[str, Any]]:
         if not raw:
             continue  # expired between SCAN and GET
         try:
-            beat = json.loads(raw)
-        except ValueError:
+            beat = msgspec.structs.asdict(decode_heartbeat(raw))
+        except (msgspec.DecodeError, msgspec.ValidationError):
             continue  # a foreign or corrupt key must not take the registry down (500)
-        if not isinstance(beat, dict) or "role" not in beat or "replica" not in beat:
-            continue
-        beat["age_s"] = round(now - float(beat.get("at", 0) or 0), 1)
+        beat["age_s"] = round(now - beat["at"], 1)
         out.append(beat)
     return sorted(out, key=lambda b: (str(b["role"]), str(b["replica"])))
 

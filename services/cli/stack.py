@@ -18,7 +18,8 @@ def stack_env(home: Path, model: str, redis_url: str, store_url: str | None = No
         "STORE_URL": store_url or os.environ.get("STORE_URL") or f"file://{home / 'store'}",
         "BURSTRL_DATA_DIR": str(home / "data"),
         "BURSTRL_ROLLOUT_MODEL": model,
-        "BURSTRL_REF_MODEL": model,
+        # The ref replica serves the base model unless told to serve a teacher (distillation).
+        "BURSTRL_REF_MODEL": os.environ.get("BURSTRL_REF_MODEL", model),
         "BURSTRL_TRAINER_THREADS": "1",  # 2-core laptops: leave a core to vLLM
         "TOKENIZERS_PARALLELISM": "false",
         # vLLM's "auto" dtype runs an fp32 checkpoint in bf16 on CPU; in fp32 the sampler's

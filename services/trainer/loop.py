@@ -39,7 +39,7 @@ from services.trainer.settings import TrainerSettings
 from shared import keys
 from shared.bus import Bus, Entry
 from shared.job import JobRecord, JobState, load_job, save_job
-from shared.metrics import record_point
+from shared.metrics import read_ledger, record_point
 from shared.policy import MANIFEST, Manifest, publish_version, version_prefix
 from shared.schema import Completion, GroupMsg, PolicyPublished, decode, encode, unpack_f32
 from shared.service import ServiceRuntime, active_job_ids
@@ -341,6 +341,8 @@ class JobTrainer:
             "checkpointed": checkpointed,
             "idle_frac": round(wait_s / total, 4) if total > 0 else 0.0,
             "bus_s": round(bus_s, 5),
+            # The ledger as a time series (fed, trained, dropped_*, dead, in flight per step).
+            "ledger": read_ledger(self.r, self.rec.id),
             "bus_frac": round(bus_s / busy, 5) if busy > 0 else 0.0,
             "tokens_per_s": round(res.tokens / t_train, 1) if t_train > 0 else 0.0,
             **{k: v for k, v in res.stats.items() if k != "loss"},
