@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared import keys
+from shared.envs.spec import EnvSpec
 from shared.tasks.spec import TaskSpec
 
 if TYPE_CHECKING:
@@ -136,6 +137,10 @@ class JobSpec(BaseModel):
     eval_size: int = Field(64, ge=0, le=100_000, description="Held-out prompts per evaluation.")
     seed: int = Field(0, ge=0, description="Seeds prompt order and the trainer.")
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    env: EnvSpec = Field(
+        default_factory=EnvSpec,
+        description="Multi-turn environment (tool use, games) and its episode limits; empty name: single-turn.",
+    )
 
     @field_validator("name")
     @classmethod

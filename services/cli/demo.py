@@ -14,7 +14,7 @@ import httpx
 from rich.console import Console
 
 from services.cli.follow import follow_job, print_summary
-from services.cli.model import ensure_tiny_model
+from services.cli.model import ensure_calc_model, ensure_tiny_model
 from services.cli.stack import start_stack
 
 DEMO_JOB = {
@@ -31,16 +31,40 @@ DEMO_JOB = {
     "sampling": {"temperature": 1.0, "max_tokens": 6},
 }
 
+# The tool-use variant (`env="calc"`, examples/demo_calc.toml): 3-digit sums, which the tiny
+# model gets mostly wrong in its head; episodes through the calculator environment, where a
+# turn `<calc>a+b</calc>` gets `=sum` back. GRPO should teach it to call the tool.
+DEMO_CALC_JOB = {
+    "name": "demo-calc",
+    "task": "arith3",
+    "group_size": 8,
+    "batch_size": 8,
+    "learning_rate": 1e-3,
+    "lora_rank": 16,
+    "lora_alpha": 32,
+    "kl_coef": 0.0,
+    "max_staleness": 1,
+    "eval_size": 32,
+    "sampling": {"temperature": 1.0, "max_tokens": 24},
+    "env": {"name": "calc", "max_turns": 3, "max_tokens": 64},
+}
 
-def run_demo(home: Path, *, steps: int, keep_running: bool, console: Console) -> int:
+
+def run_demo(home: Path, *, steps: int, keep_running: bool, console: Console, env: str = "") -> int:
+    """The GRPO demo; env="calc" runs the tool-use variant (its own SFT'd tiny model)."""
+    if env not in ("", "calc"):
+        raise ValueError(f"no demo for environment {env!r} (try 'calc')")
     t0 = time.time()
-    model = ensure_tiny_model(home / "models" / "tiny-sft", log=console.print)
+    if env == "calc":
+        model = ensure_calc_model(home / "models" / "tiny-calc", log=console.print)
+    else:
+        model = ensure_tiny_model(home / "models" / "tiny-sft", log=console.print)
     console.print(f"[dim]model ready in {time.time() - t0:.0f}s[/]")
     launcher = None
     try:
         launcher = start_stack(home, str(model), ["api", "reward", "ref", "rollout", "trainer"], log=console.print)
         api = "http://127.0.0.1:8700"
-        spec = {**DEMO_JOB, "steps": steps, "base_model": str(model)}
+        spec = {**(DEMO_CALC_JOB if env == "calc" else DEMO_JOB), "steps": steps, "base_model": str(model)}
         job_id = httpx.post(f"{api}/v1/jobs", json=spec, timeout=30).raise_for_status().json()["id"]
         console.print(f"submitted job [bold]{job_id}[/]")
         status = follow_job(api, job_id, {}, console)
@@ -56,6 +80,11 @@ def run_demo(home: Path, *, steps: int, keep_running: bool, console: Console) ->
                 f"({100 * (last['accuracy'] - first['accuracy']):+.1f} points); greedy "
                 f"{first['greedy_accuracy']:.3f} -> {last['greedy_accuracy']:.3f}[/]"
             )
+            if "tool_calls_mean" in last:
+                console.print(
+                    f"tool calls per episode: {first['tool_calls_mean']:.2f} -> {last['tool_calls_mean']:.2f}; "
+                    f"turns {first['turns_mean']:.2f} -> {last['turns_mean']:.2f}"
+                )
         console.print(f"demo wall time: {time.time() - t0:.0f}s")
         return 0 if status["job"]["state"] == "completed" else 1
     finally:

@@ -51,3 +51,99 @@ def ensure_teacher_model(out: Path, student: Path, *, force: bool = False, log: 
     shutil.rmtree(out / "_sft_run", ignore_errors=True)
     (out / DONE).write_text(json.dumps(want))
     return out
+
+
+# The tool-use demo's model: the tiny architecture SFT'd on 3-digit sums ("arith3"), where
+# 40% of the demonstrations call the calculator (`<calc>a+b</calc>`, the tool's `=s`, then an
+# empty turn that submits the tool's result) and the rest answer directly. It can call the tool but mostly does not, and its direct
+# answers are mostly wrong: RL through the "calc" environment should teach it to use the tool.
+# The tool's output is masked out of the SFT loss as it is out of the RL loss: trained on, the
+# model would learn to predict the sum itself (which it cannot) instead of reading it.
+CALC_RECIPE = "arith3-calc40-submit-masked-sft1000x64-v4"
+
+
+def ensure_calc_model(out: Path, *, force: bool = False, log: Callable[[str], None] = print) -> Path:
+    out = out.resolve()
+    if (out / DONE).exists() and not force and json.loads((out / DONE).read_text()).get("recipe") == CALC_RECIPE:
+        return out
+    from services.trainer.tiny_model import build_model
+
+    base = out.parent / (out.name + "-base")
+    shutil.rmtree(base, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
+    log(f"building the tool-use tiny model in {base}")
+    build_model(base)
+    log("SFT warm-start on tool-call demonstrations (a minute or two on 2 cores)")
+    _sft_calc(base, out)
+    (out / DONE).write_text(json.dumps({"base": str(base), "recipe": CALC_RECIPE}))
+    return out
+
+
+def _sft_calc(
+    model_dir: Path,
+    out_dir: Path,
+    *,
+    # 1000 steps: at 400 the model had not yet learned to copy the operands into the call.
+    steps: int = 1000,
+    batch_size: int = 64,
+    learning_rate: float = 3e-3,
+    tool_fraction: float = 0.4,
+    seed: int = 0,
+) -> None:
+    """A plain masked SFT loop (TRL's completion-only loss cannot mask the tool's output)."""
+    import itertools
+    import math
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import shared.envs  # noqa: F401  (registers the "arith3" task)
+    from shared.tasks import get_task
+
+    torch.manual_seed(seed)
+    # One thread: on a busy 2-core box, two OpenMP threads spin against each other (8x slower).
+    torch.set_num_threads(1)
+    rng = random.Random(seed)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    items = itertools.islice(get_task("arith3").train_items(seed), steps * batch_size)
+
+    def example(prompt: str, answer: str) -> tuple[list[int], list[int]]:
+        a, b = prompt.removesuffix("=").split("+")
+        segs = [(prompt, False)]  # (text, trained on)
+        if rng.random() < tool_fraction:
+            # call, the tool's output (masked), then an empty turn: submit the tool's result
+            segs += [(f"<calc>{a}+{b}</calc>", True), (f"={answer}\n", False), (tok.eos_token, True)]
+        else:
+            segs += [(answer + tok.eos_token, True)]
+        ids, labels = [], []
+        for text, trained in segs:
+            t = tok(text, add_special_tokens=False)["input_ids"]
+            ids += t
+            labels += t if trained else [-100] * len(t)
+        return ids, labels
+
+    opt = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
+    warm = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / (steps - warm)))
+    )
+    model.train()
+    for step in range(steps):
+        batch = [example(it.prompt, it.fields["answer"]) for it in itertools.islice(items, batch_size)]
+        width = max(len(x) for x, _ in batch)
+        ids = torch.tensor([x + [tok.pad_token_id] * (width - len(x)) for x, _ in batch])
+        labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in batch])
+        attn = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in batch])
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 50 == 0 or step == steps - 1:
+            print(f"calc SFT step {step}/{steps} loss {loss.item():.3f}", flush=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)

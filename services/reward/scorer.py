@@ -16,6 +16,7 @@ from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
+import shared.envs  # noqa: F401  (registers the environments' tasks, "arith3" and "guess", in scoring processes)
 from shared.verifiers import TAG_SEP, error_tag, load_plugins
 
 log = logging.getLogger(__name__)

@@ -39,8 +39,13 @@ def work_for(group: GroupMsg, rec: JobRecord) -> GroupWork:
 
 def apply_scores(group: GroupMsg, parts: list[dict[str, float]]) -> GroupMsg:
     for c, p in zip(group.completions, parts, strict=True):
-        c.reward_parts = p
-        c.reward = total(p)
+        # Multi-turn episodes arrive with their environment's reward parts (and end tags,
+        # e.g. "env!max_turns"): the reward is theirs plus the verifier's on the final answer.
+        merged = dict(c.reward_parts)
+        for k, v in p.items():
+            merged[k] = merged.get(k, 0.0) + v
+        c.reward_parts = merged
+        c.reward = total(merged)
     group.stage = "scored"
     return group
 

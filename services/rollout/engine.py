@@ -51,6 +51,9 @@ class SamplingConfig:
     top_p: float
     max_tokens: int
     stop: tuple[str, ...] = ()
+    # Keep a stop string in the text (multi-turn: a tool call's closing tag is part of what
+    # the model produced, and the token ids hold it anyway).
+    include_stop: bool = False
 
 
 @dataclass
@@ -78,6 +81,17 @@ class Engine(Protocol):
     def unload(self, adapter: Adapter) -> None: ...
 
     def generate(self, prompts: list[str], adapters: list[Adapter | None], cfg: SamplingConfig) -> list[Generation]: ...
+
+    def generate_ids(
+        self, prompts: list[list[int]], adapters: list[Adapter | None], cfg: SamplingConfig
+    ) -> list[Generation]:
+        """As `generate`, from token ids as they are: multi-turn episodes never re-tokenize
+        their context, so the model sees exactly the ids the trainer will train on."""
+        ...
+
+    def tokenize(self, text: str, *, special: bool) -> list[int]:
+        """Token ids of `text`; special=True adds what a text prompt gets (e.g. BOS)."""
+        ...
 
     def prompt_logprobs(self, token_ids: list[int], adapter: Adapter | None) -> list[float]:
         """log p(t_i | t_<i) for i >= 1 at temperature 1 (the probe)."""
@@ -155,6 +169,19 @@ class InProcessEngine:
         return LoRARequest(adapter.name, adapter.lora_id, adapter.path) if adapter else None
 
     def generate(self, prompts: list[str], adapters: list[Adapter | None], cfg: SamplingConfig) -> list[Generation]:
+        return self._generate(list(prompts), adapters, cfg)
+
+    def generate_ids(
+        self, prompts: list[list[int]], adapters: list[Adapter | None], cfg: SamplingConfig
+    ) -> list[Generation]:
+        from vllm.inputs import TokensPrompt
+
+        return self._generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], adapters, cfg)
+
+    def tokenize(self, text: str, *, special: bool) -> list[int]:
+        return list(self.llm.get_tokenizer().encode(text, add_special_tokens=special))
+
+    def _generate(self, prompts: list, adapters: list[Adapter | None], cfg: SamplingConfig) -> list[Generation]:
         from vllm import SamplingParams
 
         # logprobs=0: just the sampled token's log-prob (of the processed distribution,
@@ -165,6 +192,7 @@ class InProcessEngine:
             top_p=cfg.top_p,
             max_tokens=cfg.max_tokens,
             stop=list(cfg.stop) or None,
+            include_stop_str_in_output=cfg.include_stop,
             logprobs=0,
         )
         loras = [self._lora(a) for a in adapters]
@@ -289,7 +317,7 @@ class RemoteEngine:
         except EngineError as e:  # the server is away; it forgets adapters when it restarts anyway
             log.warning("unload %s: %s", adapter.name, e)
 
-    def _complete(self, prompt: str, adapter: Adapter | None, cfg: SamplingConfig) -> Generation:
+    def _complete(self, prompt: str | list[int], adapter: Adapter | None, cfg: SamplingConfig) -> Generation:
         body = {
             "model": adapter.name if adapter else self.served_model,
             "prompt": prompt,
@@ -303,11 +331,13 @@ class RemoteEngine:
         }
         if cfg.stop:
             body["stop"] = list(cfg.stop)
+            if cfg.include_stop:
+                body["include_stop_str_in_output"] = True  # a vLLM extension field (0.11 has it)
         out = self._json("/v1/completions", body)
         choices = sorted(out["choices"], key=lambda c: c["index"])
         prompt_ids = choices[0].get("prompt_token_ids") if choices else None
-        if prompt_ids is None:
-            prompt_ids = self.tokenize(prompt)
+        if prompt_ids is None:  # a list of ids is its own prompt; text needs the server's tokenizer
+            prompt_ids = list(prompt) if isinstance(prompt, list) else self.tokenize(prompt, special=True)
         samples = []
         for c in choices:
             lp = c.get("logprobs") or {}
@@ -326,8 +356,16 @@ class RemoteEngine:
         futures = [self.pool.submit(self._complete, p, a, cfg) for p, a in zip(prompts, adapters, strict=True)]
         return [f.result() for f in futures]
 
-    def tokenize(self, text: str) -> list[int]:
-        return list(self._json("/tokenize", {"model": self.served_model, "prompt": text})["tokens"])
+    def generate_ids(
+        self, prompts: list[list[int]], adapters: list[Adapter | None], cfg: SamplingConfig
+    ) -> list[Generation]:
+        # /v1/completions takes a list of token ids as `prompt`, used as is (no re-tokenization).
+        futures = [self.pool.submit(self._complete, list(p), a, cfg) for p, a in zip(prompts, adapters, strict=True)]
+        return [f.result() for f in futures]
+
+    def tokenize(self, text: str, *, special: bool = True) -> list[int]:
+        body = {"model": self.served_model, "prompt": text, "add_special_tokens": special}
+        return list(self._json("/tokenize", body)["tokens"])
 
     def prompt_logprobs(self, token_ids: list[int], adapter: Adapter | None) -> list[float]:
         body = {

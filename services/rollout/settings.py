@@ -46,3 +46,15 @@ class RolloutSettings(CommonSettings):
     )
     require_probe: bool = Field(True, description="Refuse versions whose manifest carries no log-prob probe.")
     seed: int = Field(0, description="Engine seed.")
+    env_plugins: str = Field(
+        "",
+        description="Comma-separated modules imported at start that register environments (shared.envs."
+        "register_env). Only the operator chooses code to load: jobs can only name what is registered.",
+    )
+    max_stuck_env_calls: int = Field(
+        8, ge=1, description="Environment calls left hanging past their deadline before /readyz reports not ready."
+    )
+
+    @property
+    def env_plugin_modules(self) -> list[str]:
+        return [m.strip() for m in self.env_plugins.split(",") if m.strip()]

