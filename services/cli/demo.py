@@ -70,7 +70,7 @@ def run_demo(home: Path, *, steps: int, keep_running: bool, console: Console, en
         status = follow_job(api, job_id, {}, console)
         print_summary(status, console)
         evals = status["evals"]
-        png = plot(status, home / "demo.png")
+        png = plot(status, home / ("demo-calc.png" if env == "calc" else "demo.png"))
         console.print(f"plot: {png}")
         if len(evals) >= 2:
             first, last = evals[0], evals[-1]

@@ -198,11 +198,15 @@ def jobs(api: str | None = None) -> None:
 
 
 @app.command()
-def demo(steps: int = 40, keep_running: bool = False) -> None:
+def demo(
+    steps: int = 40,
+    keep_running: bool = False,
+    env: str = typer.Option("", help="'calc': the tool-use variant (3-digit sums, a calculator tool)."),
+) -> None:
     """The main job end to end: tiny model, all services, a real GRPO run, a table and a plot."""
     from services.cli.demo import run_demo
 
-    raise typer.Exit(run_demo(HOME, steps=steps, keep_running=keep_running, console=console))
+    raise typer.Exit(run_demo(HOME, steps=steps, keep_running=keep_running, console=console, env=env))
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
