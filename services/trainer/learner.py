@@ -48,7 +48,9 @@ def loss_config(spec: JobSpec) -> LossConfig:
         clip_high=spec.clip_high,
         ratio_level=a.ratio_level,
         aggregation=a.aggregation,
-        max_tokens=spec.sampling.max_tokens,
+        # Dr.GRPO's constant normaliser: the longest a completion can be. For a multi-turn
+        # episode that is the episode's cap (turns and observations), not one turn's.
+        max_tokens=spec.env.max_tokens if spec.env.name else spec.sampling.max_tokens,
         mismatch=a.mismatch,
         tis_cap=spec.tis_cap,
         mismatch_min=a.mismatch_min,
