@@ -14,10 +14,11 @@ names an environment: it can never make a service import anything.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from shared.plugins import import_plugins
 
 
 @dataclass
@@ -88,14 +89,4 @@ def env_names() -> list[str]:
 
 def load_env_plugins(modules: Iterable[str]) -> list[str]:
     """Import each plugin module (they register environments on import)."""
-    loaded = []
-    for mod in modules:
-        mod = mod.strip()
-        if not mod:
-            continue
-        try:
-            importlib.import_module(mod)
-        except ImportError as e:
-            raise ImportError(f"env plugin {mod!r} can't be imported ({e}); fix BURSTRL_ROLLOUT_ENV_PLUGINS") from e
-        loaded.append(mod)
-    return loaded
+    return import_plugins(modules, setting="BURSTRL_ROLLOUT_ENV_PLUGINS")

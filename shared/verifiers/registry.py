@@ -13,9 +13,10 @@ never make a service import anything.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+
+from shared.plugins import import_plugins
 
 VerifierFn = Callable[..., Sequence[float]]
 
@@ -69,14 +70,4 @@ def verifier_names() -> list[str]:
 
 def load_plugins(modules: Iterable[str]) -> list[str]:
     """Import each plugin module (they register verifiers or tasks on import)."""
-    loaded = []
-    for mod in modules:
-        mod = mod.strip()
-        if not mod:
-            continue
-        try:
-            importlib.import_module(mod)
-        except ImportError as e:
-            raise ImportError(f"reward plugin {mod!r} can't be imported ({e}); fix BURSTRL_REWARD_PLUGINS") from e
-        loaded.append(mod)
-    return loaded
+    return import_plugins(modules, setting="BURSTRL_REWARD_PLUGINS")
