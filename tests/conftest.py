@@ -129,3 +129,17 @@ def tiny_model() -> Path:
     from services.cli.model import ensure_tiny_model
 
     return ensure_tiny_model(MODEL_CACHE)
+
+
+def wait_for(pred, timeout: float, what: str, launcher=None, poll_s: float = 0.5):  # noqa: ANN001
+    """Poll `pred` until it returns something truthy; on timeout fail with the services' log tails."""
+    from services.cli.launch import tail
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(poll_s)
+    logs = "\n".join(f"--- {n}\n{tail(p.log, 15)}" for n, p in launcher.procs().items()) if launcher else ""
+    raise AssertionError(f"timed out waiting for {what}\n{logs}")

@@ -17,10 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.cli.launch import Launcher, free_port, tail
+from services.cli.launch import Launcher, free_port
 from services.cli.model import ensure_teacher_model
 from services.cli.stack import stack_env
-from tests.conftest import ROOT, RedisServer
+from tests.conftest import ROOT, RedisServer, wait_for
 
 ROLES = ["api", "reward", "ref", "rollout", "trainer"]
 STEPS = 14
@@ -41,17 +41,6 @@ JOB = {
 @pytest.fixture(scope="session")
 def teacher_model(tiny_model: Path) -> Path:
     return ensure_teacher_model(ROOT / ".burstrl" / "models" / "tiny-teacher", tiny_model)
-
-
-def _wait(pred, timeout: float, what: str, launcher: Launcher):  # noqa: ANN001
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(1.0)
-    logs = "\n".join(f"--- {n}\n{tail(p.log, 15)}" for n, p in launcher.procs().items())
-    raise AssertionError(f"timed out waiting for {what}\n{logs}")
 
 
 @pytest.mark.slow
@@ -81,7 +70,7 @@ def test_distillation_lowers_kl_and_raises_accuracy(tmp_path: Path, tiny_model: 
             finished = s["job"]["state"] == "completed" and s["evals"] and s["evals"][-1]["version"] == STEPS
             return s if finished else None
 
-        final = _wait(done, 600, "job completion and final eval", launcher)
+        final = wait_for(done, 600, "job completion and final eval", launcher)
         points = {
             src: httpx.get(f"{api}/v1/jobs/{job_id}/metrics", params={"source": src}, timeout=10).json()
             for src in ("trainer", "ref")

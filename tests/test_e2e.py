@@ -14,10 +14,10 @@ import time
 import httpx
 import pytest
 
-from services.cli.launch import Launcher, free_port, tail
+from services.cli.launch import Launcher, free_port
 from services.cli.stack import stack_env
 from shared.ledger import audit
-from tests.conftest import RedisServer, make_bucket
+from tests.conftest import RedisServer, make_bucket, wait_for
 
 ROLES = ["api", "reward", "ref", "rollout", "trainer"]
 JOB = {
@@ -42,17 +42,6 @@ def _ready(port: int) -> tuple[int, dict]:
         return 0, {}
 
 
-def _wait(pred, timeout: float, what: str, launcher: Launcher):  # noqa: ANN001
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.5)
-    logs = "\n".join(f"--- {n}\n{tail(p.log, 15)}" for n, p in launcher.procs().items())
-    raise AssertionError(f"timed out waiting for {what}\n{logs}")
-
-
 @pytest.mark.slow
 def test_grpo_loop_survives_kills_and_learns(tmp_path, tiny_model, s3_endpoint):
     srv = RedisServer(tmp_path / "redis-data")
@@ -73,7 +62,7 @@ def test_grpo_loop_survives_kills_and_learns(tmp_path, tiny_model, s3_endpoint):
         def status() -> dict:
             return httpx.get(f"{api}/v1/jobs/{job_id}", timeout=10).json()
 
-        _wait(lambda: status()["policy_version"] >= 2, 400, "policy v2", launcher)
+        wait_for(lambda: status()["policy_version"] >= 2, 400, "policy v2", launcher)
 
         # kill -9 the reward service: the others keep running; a restart picks the work up.
         os.kill(launcher.procs()["reward"].pid, signal.SIGKILL)
@@ -84,14 +73,14 @@ def test_grpo_loop_survives_kills_and_learns(tmp_path, tiny_model, s3_endpoint):
 
         # kill -9 Redis: services report not-ready with the reason, then recover.
         srv.kill()
-        code, body = _wait(
+        code, body = wait_for(
             lambda: (lambda c: c if c[0] == 503 else None)(_ready(ports["rollout"])), 60, "rollout not-ready", launcher
         )
         assert "redis" in body["checks"] and not body["checks"]["redis"]["ok"]
         srv.start()
-        _wait(lambda: all(_ready(p)[0] == 200 for p in ports.values()), 120, "recovery", launcher)
+        wait_for(lambda: all(_ready(p)[0] == 200 for p in ports.values()), 120, "recovery", launcher)
 
-        final = _wait(
+        final = wait_for(
             lambda: (
                 lambda s: (
                     s

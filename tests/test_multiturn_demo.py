@@ -15,24 +15,13 @@ import httpx
 import pytest
 
 from services.cli.demo import DEMO_CALC_JOB
-from services.cli.launch import Launcher, free_port, tail
+from services.cli.launch import Launcher, free_port
 from services.cli.model import ensure_calc_model
 from services.cli.stack import stack_env
-from tests.conftest import ROOT, RedisServer
+from tests.conftest import ROOT, RedisServer, wait_for
 
 ROLES = ["api", "reward", "rollout", "trainer"]  # no KL term and no teacher: no ref stage
 STEPS = 20
-
-
-def _wait(pred, timeout: float, what: str, launcher: Launcher):  # noqa: ANN001
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(1.0)
-    logs = "\n".join(f"--- {n}\n{tail(p.log, 15)}" for n, p in launcher.procs().items())
-    raise AssertionError(f"timed out waiting for {what}\n{logs}")
 
 
 @pytest.mark.slow
@@ -63,7 +52,7 @@ def test_tool_use_policy_learns_to_call_the_tool(tmp_path: Path) -> None:
             finished = s["job"]["state"] == "completed" and s["evals"] and s["evals"][-1]["version"] == STEPS
             return s if finished else None
 
-        final = _wait(done, 600, "job completion and final eval", launcher)
+        final = wait_for(done, 600, "job completion and final eval", launcher)
         points = {
             src: httpx.get(f"{api}/v1/jobs/{job_id}/metrics", params={"source": src}, timeout=10).json()
             for src in ("trainer", "rollout_env", "reward")
