@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint format bench plan clean down
+.PHONY: install demo test test-fast lint format bench chaos plan clean down
 
 $(STAMP): pyproject.toml
 	# OS packages the tests need: redis-server (tests start their own), chromium (dashboard test).
@@ -38,6 +38,15 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(BIN)/ruff format shared services tests bench
 	$(BIN)/ruff check --fix shared services tests bench
+
+# Benchmarks side by side on this machine -> docs/bench.md (+ docs/bench/*.png); --full for longer runs.
+bench: $(STAMP)
+	$(BIN)/python bench/run_all.py
+
+# A real job under fault injection (kill -9 of every service and Redis, store outage,
+# corrupt checkpoints and adapters, malformed messages) -> docs/chaos.md.
+chaos: $(STAMP)
+	$(BIN)/python bench/chaos.py --out docs/chaos.md
 
 plan: $(STAMP)
 	$(BIN)/burstrl plan --help

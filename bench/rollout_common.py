@@ -75,6 +75,23 @@ def lora_versions(model_dir: str, seeds: list[int], rank: int = 8, task: str = "
     return out
 
 
+def full_version(model_dir: str, seed: int, scale: float = 0.02, task: str = "arith") -> tuple[dict[str, bytes], dict]:
+    """Full-weight version files (the trainer's own `full_files`) of the model with every
+    weight matrix perturbed by seeded noise, and its probe: what `finetune = "full"` publishes."""
+    import torch
+
+    from services.trainer.policy import full_files, load_policy
+    from services.trainer.probe import compute_probe
+
+    model, tok = load_policy(model_dir, rank=8, alpha=16, device="cpu", seed=0, finetune="full")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:  # linear and embedding matrices: what the CPU backend repacks
+                p.add_(torch.randn(p.shape, generator=gen) * scale)
+    return full_files(model), compute_probe(model, tok, task)
+
+
 def publish(
     store: ObjectStore, r: redis.Redis, job_id: str, version: int, files: dict[str, bytes], probe: dict
 ) -> None:
@@ -84,9 +101,9 @@ def publish(
     r.set(keys.policy_pointer(job_id), version)
 
 
-def corrupt(store: ObjectStore, job_id: str, version: int) -> None:
-    """Flip bytes of a published adapter: its sha256 no longer matches the manifest."""
-    key = f"{version_prefix(job_id, version)}/adapter_model.safetensors"
+def corrupt(store: ObjectStore, job_id: str, version: int, name: str = "adapter_model.safetensors") -> None:
+    """Flip bytes of a published file (the adapter by default): its sha256 no longer matches the manifest."""
+    key = f"{version_prefix(job_id, version)}/{name}"
     data = bytearray(store.get(key))
     data[-8:] = b"\x00" * 8
     store.put(key, bytes(data))

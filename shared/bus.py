@@ -112,12 +112,20 @@ class Bus:
         *,
         claim_idle_ms: int = 120_000,
         max_deliveries: int = 5,
+        redo_own_pending: bool = True,
     ) -> None:
+        """`redo_own_pending`: this consumer holds no entry between reads (it handles and
+        settles each batch before reading again), so any entry still pending to it at
+        read time lost its output — e.g. a Redis restart from an AOF that lacked the last
+        second — and is redone within seconds instead of after `claim_idle_ms`. Consumers
+        that keep entries pending across reads (the trainer, until its checkpoint) pass False.
+        """
         self.r = r
         self.group = group
         self.consumer = consumer
         self.claim_idle_ms = claim_idle_ms
         self.max_deliveries = max_deliveries
+        self.redo_own_pending = redo_own_pending
         self._last_claim = 0.0
         self.stats = BusStats()
         self._settle_script = r.register_script(SETTLE_LUA)
@@ -165,22 +173,44 @@ class Bus:
         out: list[Entry] = []
         for stream in streams:
             # Poison first: entries delivered too often go to the dead-letter stream.
-            for p in self.r.xpending_range(stream, self.group, min="-", max="+", count=count, idle=self.claim_idle_ms):
-                if p["times_delivered"] >= self.max_deliveries:
-                    eid = _s(p["message_id"])
-                    got = self.r.xrange(stream, eid, eid)
-                    data = got[0][1].get(FIELD, b"") if got else b""
-                    self.dead_letter(
-                        Entry(stream, eid, data),
-                        f"delivered {p['times_delivered']} times without being handled",
-                    )
-            _, claimed, _ = self.r.xautoclaim(stream, self.group, self.consumer, self.claim_idle_ms, "0-0", count=count)
-            for eid, fields in claimed:
-                if fields:
-                    out.append(Entry(stream, _s(eid), fields.get(FIELD, b"")))
-        if out:
-            log.warning("reclaimed %d entries left by a dead consumer", len(out))
+            stale = self.r.xpending_range(stream, self.group, min="-", max="+", count=count, idle=self.claim_idle_ms)
+            if self.redo_own_pending:
+                stale += self.r.xpending_range(
+                    stream, self.group, min="-", max="+", count=count, consumername=self.consumer
+                )
+            poison = {
+                _s(p["message_id"]): p["times_delivered"] for p in stale if p["times_delivered"] >= self.max_deliveries
+            }
+            for eid, n in poison.items():
+                self._dead_letter_id(stream, eid, n)
+            if not self.redo_own_pending:
+                _, got, _ = self.r.xautoclaim(stream, self.group, self.consumer, self.claim_idle_ms, "0-0", count=count)
+                claimed = [Entry(stream, _s(eid), f.get(FIELD, b"")) for eid, f in got if f]
+                if claimed:
+                    log.warning("reclaimed %d entries left by a dead consumer", len(claimed))
+                    out += claimed
+                continue
+            # Take over a dead consumer's entries (JUSTID: no delivery counted yet), then
+            # read everything pending to us — taken over, or ours with a lost output.
+            # (redis-py returns just the claimed ids with JUSTID)
+            taken = self.r.xautoclaim(
+                stream, self.group, self.consumer, self.claim_idle_ms, "0-0", count=count, justid=True
+            )
+            resp = self.r.xreadgroup(self.group, self.consumer, {stream: "0"}, count=count)
+            mine = [Entry(stream, _s(eid), f.get(FIELD, b"")) for _, es in resp or [] for eid, f in es if f]
+            if mine:
+                log.warning(
+                    "redoing %d pending entries (%d taken over from a dead consumer, the rest ours with a lost output)",
+                    len(mine),
+                    len(taken),
+                )
+                out += mine
         return out
+
+    def _dead_letter_id(self, stream: str, eid: str, deliveries: int) -> None:
+        got = self.r.xrange(stream, eid, eid)
+        data = got[0][1].get(FIELD, b"") if got else b""
+        self.dead_letter(Entry(stream, eid, data), f"delivered {deliveries} times without being handled")
 
     def forward(
         self,

@@ -183,3 +183,18 @@ def test_a_large_batch_ack_counts_each_entry_once(r):
     assert bus.ack(entries, {JOB: {"trained": 9000}}) == 9000
     assert bus.ack(entries[:10], {JOB: {"trained": 10}}) == 0  # already acknowledged: not counted again
     assert read_ledger(r, JOB)["trained"] == 9000 and audit(r, JOB).balanced
+
+
+def test_own_pending_entries_are_redone_without_waiting_for_the_idle_timeout(r):
+    """After a Redis restart from an AOF that lost a settle, the entry is pending to us again."""
+    _flow(r, 1)
+    stage = Bus(r, keys.GROUP_ROLLOUT, "c")  # default claim idle: 2 minutes
+    [e] = stage.read([keys.prompts(JOB)], count=1, block_ms=50)  # its output never lands
+    stage._last_claim = 0  # the next maintenance pass (every few seconds)
+    [again] = stage.read([keys.prompts(JOB)], count=1, block_ms=50)
+    assert again.id == e.id
+    holder = Bus(r, keys.GROUP_TRAINER, "t", redo_own_pending=False)  # keeps entries across reads
+    stage.forward([again], [(keys.ready(JOB), b"g")], {JOB: {"produced": 1}})
+    [held] = holder.read([keys.ready(JOB)], count=1, block_ms=50)
+    holder._last_claim = 0
+    assert holder.read([keys.ready(JOB)], count=1, block_ms=50) == [] and held

@@ -80,7 +80,8 @@ class JobTrainer:
         self.rt, self.s, self.store, self.rec = rt, settings, store, rec
         self.comm = comm or Comm()
         self.r = rt.redis
-        self.bus = Bus(self.r, keys.GROUP_TRAINER, CONSUMER)
+        # The trainer keeps entries pending across reads until a checkpoint holds them.
+        self.bus = Bus(self.r, keys.GROUP_TRAINER, CONSUMER, redo_own_pending=False)
         spec = rec.spec
         self.device = settings.device if settings.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         self.model, self.tok = load_policy(

@@ -1,0 +1,325 @@
+"""`make bench`: every benchmark, one after another, into docs/bench.md (+ PNG plots in docs/bench/).
+
+Each benchmark runs as its own process with the exact command shown above its numbers
+in the report; the stack benchmarks start and stop their own redis-server and services,
+so only one stack runs at a time. Ratios inside one benchmark come from items run side
+by side (A/B alternating) in that same process. Short settings by default; `--full`
+runs longer jobs and more rounds.
+
+    .venv/bin/python bench/run_all.py [--full] [--only pipeline,staleness] [--out docs/bench.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+PY = ".venv/bin/python"
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gb = 0.0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem_gb = int(line.split()[1]) / 1024**2
+    except OSError:
+        pass
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    load = os.getloadavg()
+    return (
+        f"- machine: {cpu}, {os.cpu_count()} cores, {mem_gb:.0f} GB RAM, {platform.system()} {platform.release()}, "
+        f"Python {platform.python_version()}\n"
+        f"- date: {dt.datetime.now().astimezone().isoformat(timespec='seconds')}\n"
+        f"- git commit: {commit.stdout.strip() or 'unknown'}{' (working tree has uncommitted changes)' if dirty else ''}\n"
+        f"- load average at start: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (the machine is shared; "
+        "numbers move with what else runs)"
+    )
+
+
+def items(full: bool, out: Path) -> list[tuple[str, list[str], Path | None]]:
+    """(name, command, markdown file it writes or None when its stdout is the report)."""
+    b = out  # docs/bench/
+    s = {  # short / full settings
+        "bus": ["--groups", "400" if full else "200", "--rounds", "21" if full else "15"],
+        "pipeline": ["--steps", "16" if full else "10", "--rounds", "2" if full else "1"],
+        "staleness": ["--steps", "30" if full else "16", "--rounds", "1"],
+        "scaling": ["--steps", "12" if full else "8", "--rounds", "2" if full else "1"],
+        "sync": ["--modes", "inprocess,remote", "--versions", "12" if full else "6"],
+        "tput": ["--modes", "inprocess,remote" if full else "inprocess", "--prompts", "64", "--rounds", "3"],
+    }
+    steps = s["staleness"][1]
+    return [
+        ("bus", [PY, "bench/bus.py", *s["bus"], "--out", str(b / "bus.md")], b / "bus.md"),
+        ("pipeline", [PY, "bench/pipeline.py", *s["pipeline"], "--out", str(b / "pipeline.md")], b / "pipeline.md"),
+        (
+            "staleness",
+            [PY, "bench/staleness.py", *s["staleness"], "--out", str(b / "staleness.md")],
+            b / "staleness.md",
+        ),
+        (
+            "trl",
+            [PY, "bench/trl_compare.py", "--steps", steps, "--threshold", "0.3"]
+            + ["--burstrl-from", str(b / "staleness.json"), "--out", str(b / "trl.md")],
+            b / "trl.md",
+        ),
+        ("sync", [PY, "bench/rollout_sync.py", *s["sync"], "--json", str(b / "sync.json")], None),
+        ("tput", [PY, "bench/rollout_throughput.py", *s["tput"], "--json", str(b / "tput.json")], None),
+        ("scaling", [PY, "bench/scaling.py", *s["scaling"], "--out", str(b / "scaling.md")], b / "scaling.md"),
+        ("verifiers", [PY, "bench/verifiers.py", "--n-math", "200", "--n-code", "32"], None),
+    ]
+
+
+def sync_md(cmd: str, data: list[dict[str, Any]]) -> str:
+    lines = [
+        "## Weight sync: publish -> adopt",
+        "",
+        f"`{cmd}`",
+        "",
+        "| engine mode | versions adopted | refused | p50 s | p95 s | max s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in data:
+        lines.append(
+            f"| {r['mode']} | {r['adopted']}/{r['versions_published']} | {r['refused']} | {r['p50_s']} | "
+            f"{r['p95_s']} | {r['max_s']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def tput_md(cmd: str, data: list[dict[str, Any]]) -> str:
+    lines = [
+        "## Rollout service vs the engine called directly",
+        "",
+        f"`{cmd}`",
+        "",
+        "| engine mode | direct tok/s | service tok/s | service / direct |",
+        "|---|---|---|---|",
+    ]
+    for r in data:
+        lines.append(f"| {r['mode']} | {r['direct_tok_s']} | {r['service_tok_s']} | **{r['ratio']:.2f}** |")
+    return "\n".join(lines) + "\n"
+
+
+def summary(b: Path, cmds: dict[str, str]) -> list[str]:
+    """The headline number of each benchmark that ran, with its target and command."""
+    import re
+    import statistics
+
+    rows = []
+
+    def load(name: str) -> Any:
+        f = b / name
+        return json.loads(f.read_text()) if f.exists() else None
+
+    if "pipeline" in cmds and (d := load("pipeline.json")):
+        rows.append(
+            ("pipeline efficiency (end-to-end / slowest stage alone)", f"{d['ratio']:.2f}", ">= 0.9", "pipeline")
+        )
+        rows.append(("Redis time / trainer step", f"{100 * d['bus_frac']:.2f}%", "small", "pipeline"))
+    if "bus" in cmds and (b / "bus.md").exists():
+        text = (b / "bus.md").read_text()
+        if m := re.search(r"\| bus: .*?\*\*([0-9.]+)\*\*", text):
+            rows.append(("bus / raw redis-py throughput", m.group(1), ">= 0.8", "bus"))
+        if m := re.search(r"\| bus \+ schema: .*?\*\*([0-9.]+)\*\*", text):
+            rows.append(("bus + msgpack schema / raw redis-py throughput", m.group(1), "", "bus"))
+    if "trl" in cmds and (d := load("trl.json")):
+        from bench.trl_compare import time_to
+
+        thr = float(cmds["trl"].split("--threshold ")[1].split()[0])
+        bs = next((r for r in d if r["side"] == "burstrl"), None)
+        tr = next((r for r in d if r["side"] == "trl"), None)
+        if bs and tr:
+            tb, tt = time_to(bs["evals"], thr), time_to(tr["evals"], thr)
+            ratio = (
+                f"{tt / tb:.2f}x"
+                if tb and tt
+                else f"burstrl {'reached' if tb else 'never'}, TRL {'reached' if tt else 'never'}"
+            )
+            rows.append((f"TRL time to acc {thr} / burstrl's", ratio, ">= 1.5x", "trl"))
+            rows.append(("samples/s burstrl / TRL", f"{bs['samples_per_s'] / tr['samples_per_s']:.2f}", "", "trl"))
+            rows.append(
+                (
+                    "final held-out acc burstrl vs TRL",
+                    f"{bs['evals'][-1]['accuracy']:.3f} vs {tr['evals'][-1]['accuracy']:.3f}",
+                    "burstrl >= TRL",
+                    "trl",
+                )
+            )
+    if "staleness" in cmds and (d := load("staleness.json")):
+        walls = {k: statistics.median(r["wall_s"] for r in v) for k, v in d.items()}
+        if "0" in walls:
+            for k in sorted(walls):
+                if k != "0":
+                    rows.append((f"speed-up max_staleness {k} vs 0", f"{walls['0'] / walls[k]:.2f}x", "", "staleness"))
+    if "sync" in cmds and (d := load("sync.json")):
+        for r in d:
+            rows.append((f"publish -> adopt, {r['mode']}", f"p50 {r['p50_s']} s, p95 {r['p95_s']} s", "", "sync"))
+    if "tput" in cmds and (d := load("tput.json")):
+        for r in d:
+            rows.append((f"rollout service / direct engine tok/s, {r['mode']}", f"{r['ratio']:.2f}", ">= 0.9", "tput"))
+    if "scaling" in cmds and (d := load("scaling.json")):
+        res = d["results"]
+        med = {n: {k: statistics.median(v) for k, v in x.items()} for n, x in res.items()}
+        rows.append(
+            ("2 / 1 rollout replicas, rollout alone", f"{med['2']['alone'] / med['1']['alone']:.2f}x", "", "scaling")
+        )
+        rows.append(("2 / 1 rollout replicas, end-to-end", f"{med['2']['e2e'] / med['1']['e2e']:.2f}x", "", "scaling"))
+    if not rows:
+        return []
+    out = ["## Summary", "", "| measure | result | target | command |", "|---|---|---|---|"]
+    out += [f"| {m} | **{v}** | {t} | `{cmds[c]}` |" for m, v, t, c in rows]
+    return [*out, ""]
+
+
+def plots(b: Path) -> list[str]:
+    """Summary plots from the benchmarks' JSON; returns markdown image lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = []
+    if (b / "pipeline.json").exists():
+        d = json.loads((b / "pipeline.json").read_text())
+        names = ["end-to-end"] + [f"{k} alone" for k in d["alone"][-1]]
+        vals = [sorted(d["end_to_end"])[len(d["end_to_end"]) // 2]]
+        vals += [sorted(x[k] for x in d["alone"])[len(d["alone"]) // 2] for k in d["alone"][-1]]
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        ax.bar(names, vals, color=["tab:red"] + ["tab:blue"] * (len(vals) - 1))
+        ax.set_yscale("log")  # stages alone span two orders of magnitude
+        ax.set_ylabel("groups/s (log)")
+        ax.set_title(f"pipeline: end-to-end vs each stage alone (efficiency {d['ratio']:.2f})")
+        fig.tight_layout()
+        fig.savefig(b / "pipeline.png", dpi=100)
+        plt.close(fig)
+        out.append("![pipeline](bench/pipeline.png)")
+    if (b / "sync.json").exists():
+        d = json.loads((b / "sync.json").read_text())
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        modes = [r["mode"] for r in d]
+        ax.bar([m + " p50" for m in modes], [r["p50_s"] or 0 for r in d], color="tab:blue")
+        ax.bar([m + " p95" for m in modes], [r["p95_s"] or 0 for r in d], color="tab:orange")
+        ax.set_ylabel("seconds publish -> adopt")
+        ax.set_title("weight sync latency")
+        fig.tight_layout()
+        fig.savefig(b / "sync.png", dpi=100)
+        plt.close(fig)
+        out.append("![sync](bench/sync.png)")
+    for name in ("staleness", "trl"):
+        if (b / f"{name}.png").exists():
+            out.append(f"![{name}](bench/{name}.png)")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--full", action="store_true", help="Longer jobs and more rounds.")
+    ap.add_argument(
+        "--only", default="", help="Comma-separated subset: " + ", ".join(n for n, *_ in items(False, ROOT))
+    )
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "bench.md")
+    ap.add_argument(
+        "--report-only", action="store_true", help="Do not run anything: rebuild the report from docs/bench/ as is."
+    )
+    ap.add_argument("--timeout", type=float, default=1800, help="Per benchmark, seconds.")
+    a = ap.parse_args()
+    out = a.out.resolve()
+    b = out.parent / "bench"
+    b.mkdir(parents=True, exist_ok=True)
+    rel = b.relative_to(ROOT) if b.is_relative_to(ROOT) else b
+    only = set(filter(None, a.only.split(",")))
+    header = machine()
+    sections, timings = [], []
+    ran: dict[str, str] = {}
+    for name, cmd, md in items(a.full, rel):
+        if only and name not in only:
+            continue
+        shown = " ".join(cmd)
+        print(f"== {name}: {shown}", flush=True)
+        t0 = time.time()
+        log = b / f"{name}.log"
+        if a.report_only:
+            if not log.exists():
+                continue
+            rc = 0 if (md is None or (ROOT / md).exists()) else 1
+        else:
+            with log.open("w") as f:
+                try:
+                    rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=a.timeout).returncode
+                except subprocess.TimeoutExpired:
+                    rc = -1
+        secs = time.time() - t0
+        took = f"{secs:.0f}" if not a.report_only else f"(earlier run, log {log.name})"
+        timings.append(f"| {name} | {took} | {'ok' if rc == 0 else f'FAILED (rc {rc}, see {log.name})'} |")
+        print(f"   {name}: rc {rc} in {secs:.0f}s", flush=True)
+        text = log.read_text(errors="replace")
+        if rc == 0:
+            ran[name] = shown
+        if rc != 0:
+            tail = "\n".join(text.splitlines()[-15:])
+            sections.append(f"## {name}: failed\n\n`{shown}` exited {rc}:\n\n```\n{tail}\n```\n")
+            continue
+        if md is not None:
+            sections.append((ROOT / md).read_text())
+        elif name == "sync":
+            sections.append(sync_md(shown, json.loads((ROOT / rel / "sync.json").read_text())))
+        elif name == "tput":
+            sections.append(tput_md(shown, json.loads((ROOT / rel / "tput.json").read_text())))
+        else:
+            body = "\n".join(ln for ln in text.splitlines() if "Warning" not in ln)
+            sections.append(f"## {name}\n\n`{shown}`\n\n```\n{body.strip()}\n```\n")
+    if a.report_only:  # say when the numbers were made, not only when the page was rebuilt
+        stamps = sorted(f.stat().st_mtime for f in b.glob("*.log"))
+        if stamps:
+            span = [
+                dt.datetime.fromtimestamp(t).astimezone().isoformat(timespec="minutes")
+                for t in stamps[:: len(stamps) - 1 or 1]
+            ]
+            header += f"\n- report rebuilt from logs written {span[0]} .. {span[-1]}"
+    imgs = plots(b)
+    doc = [
+        "# burstrl benchmarks",
+        "",
+        f"Written by `{PY} bench/run_all.py{' --full' if a.full else ''}"
+        f"{' --only ' + a.only if a.only else ''}{' --report-only' if a.report_only else ''}`. Every number below sits under the command that produced it "
+        "(run from the repository root).",
+        "",
+        header,
+        "",
+        *summary(b, ran),
+        *imgs,
+        "",
+        *sections,
+        "## Run log",
+        "",
+        "| benchmark | seconds | result |",
+        "|---|---|---|",
+        *timings,
+        "",
+    ]
+    out.write_text("\n".join(doc))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""Chaos, shortened (`make chaos` runs the long one): a real job through the five real services
+while every service is kill -9'd once, Redis is kill -9'd and restarted from its AOF, the
+object store goes away for a while, a corrupt and a partial checkpoint and a corrupt
+adapter are dropped into the store, and a malformed entry goes into each stage stream.
+
+See bench/chaos.py for the faults and the checks. About 4-6 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.chaos import run_chaos
+
+
+@pytest.mark.slow
+def test_job_survives_chaos(tiny_model):
+    res = run_chaos(steps=12, kills=1, outage_s=10, seed=1, baseline=False, model=str(tiny_model))
+    injected = [f for f in res["faults"] if not f.get("skipped")]
+    assert len(injected) >= 8, res["faults"]  # 5 kills, redis, store, corrupt ckpt (+ adapter, malformed)
+    assert all(f["survived"] for f in injected)
+    checks = res["checks"]
+    assert checks["job completed"], res
+    assert checks["ledger balances (audit)"], res["audit_problems"]
+    assert checks["nothing trained twice (trainer's checkpoints)"], res["trained_record"]
+    assert checks["trainer's record == ledger trained"], (res["trained_record"], res["ledger"])
+    assert checks["no corrupt checkpoint loaded"], res["resumed_from"]
+    assert checks["no corrupt version adopted"], res["adopted_versions"]
+    assert checks["malformed entries dead-lettered"], res["dead_letters"]
+    assert checks["every service ready at the end"], res["ready"]
+    # Only the restarts the faults called for: one per kill, plus the trainer's after the corrupt checkpoint.
+    assert res["restarts"]["api"] == 1 and res["restarts"]["reward"] == 1, res["restarts"]
