@@ -31,8 +31,9 @@ from shared import keys
 from shared.bus import FIELD, Bus
 from shared.job import JobRecord, JobSpec, JobState, load_job, save_job
 from shared.metrics import read_ledger, read_points
+from shared.policy import version_prefix
 from shared.schema import Completion, GroupMsg, encode, pack_f32, pack_i32, pack_u8
-from shared.store import FileStore
+from shared.store import FileStore, get_folder, put_folder
 
 JOB = "resume-1"
 STEPS, BATCH, G = 5, 2, 4
@@ -318,3 +319,15 @@ def test_sigterm_in_a_real_process_checkpoints_and_exits_0(r, tmp_path, model_di
     led = read_ledger(r, JOB)
     assert led["trained"] == STEPS * BATCH and led["in_flight"] == 0
     assert load_job(r, JOB).state == JobState.running  # pre-empted, not finished: the next session resumes
+
+
+def test_a_corrupt_version_in_the_way_is_published_again(r, tmp_path, model_dir, reference):
+    """A torn or tampered policy/v{N} where the trainer will publish N: replaced, not kept."""
+    run = Run(r, tmp_path, model_dir, checkpoint_every=2)
+    prefix = version_prefix(JOB, 2)
+    put_folder(run.store, prefix, {ADAPTER_WEIGHTS: b"good bytes"}, {"job_id": JOB, "version": 2})
+    run.store.put(f"{prefix}/{ADAPTER_WEIGHTS}", b"tampered")  # hash no longer matches
+    run.trainer().run()
+    meta, files = get_folder(run.store, prefix)  # verifies every hash: would raise if still corrupt
+    assert meta["step"] == 2 and files[ADAPTER_WEIGHTS] != b"good bytes"
+    _same(run.final(), reference)

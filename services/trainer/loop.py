@@ -43,7 +43,7 @@ from shared.metrics import read_ledger, record_point
 from shared.policy import MANIFEST, Manifest, publish_version, version_prefix
 from shared.schema import Completion, GroupMsg, PolicyPublished, decode, encode, unpack_f32
 from shared.service import ServiceRuntime, active_job_ids
-from shared.store import ObjectStore
+from shared.store import ObjectStore, VerificationError, get_folder
 
 log = logging.getLogger(__name__)
 CONSUMER = "trainer"  # one trainer per job (leased), so a fixed name finds its own pending entries
@@ -400,11 +400,25 @@ class JobTrainer:
 
     # -- publishing ------------------------------------------------------------------
     def _publish(self, files: dict[str, bytes]) -> None:
-        if self.store.exists(f"{version_prefix(self.rec.id, self.state.step)}/{MANIFEST}"):
-            # Re-trained after resuming from an older checkpoint: versions are immutable, and
-            # the existing one came from the same groups (identical on CPU, near on GPU).
-            log.info("job %s: policy v%d already published; keeping it", self.rec.id, self.state.step)
-            return
+        prefix = version_prefix(self.rec.id, self.state.step)
+        if self.store.exists(f"{prefix}/{MANIFEST}"):
+            try:
+                get_folder(self.store, prefix)  # every hash checked
+                # Re-trained after resuming from an older checkpoint: versions are immutable,
+                # and the existing one came from the same groups (identical on CPU, near on GPU).
+                log.info("job %s: policy v%d already published; keeping it", self.rec.id, self.state.step)
+                return
+            except (VerificationError, ValueError, KeyError) as e:
+                # Not a version this trainer could have written intact (torn or tampered
+                # files): rollout would refuse it forever. Replace it, manifest first, so
+                # no reader ever sees the new files under the old manifest.
+                log.error(
+                    "job %s: policy v%d in the store is corrupt (%s); publishing it again",
+                    self.rec.id,
+                    self.state.step,
+                    e,
+                )
+                self.store.delete(f"{prefix}/{MANIFEST}")
         m = Manifest(
             job_id=self.rec.id,
             version=self.state.step,
