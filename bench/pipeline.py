@@ -40,6 +40,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from services.cli.demo import DEMO_JOB  # noqa: E402
 from services.cli.launch import Launcher, free_port, tail  # noqa: E402
 from services.cli.stack import stack_env  # noqa: E402
 from shared import keys  # noqa: E402
@@ -48,18 +49,8 @@ from shared.redis_conn import connect  # noqa: E402
 
 MODEL = ROOT / ".burstrl" / "models" / "tiny-sft"
 ROLES = ["api", "reward", "ref", "rollout", "trainer"]
-DEMO_SHAPE: dict[str, Any] = {
-    "task": "arith",
-    "group_size": 16,
-    "batch_size": 8,
-    "learning_rate": 1e-3,
-    "lora_rank": 16,
-    "lora_alpha": 32,
-    "kl_coef": 0.001,
-    "max_staleness": 1,
-    "eval_size": 64,
-    "sampling": {"temperature": 1.0, "max_tokens": 6},
-}
+# The demo's job (minus its name): what every benchmark runs unless it varies something.
+DEMO_SHAPE: dict[str, Any] = {k: v for k, v in DEMO_JOB.items() if k != "name"}
 
 
 class Stack:
