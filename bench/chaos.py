@@ -249,11 +249,8 @@ class Chaos:
 
         v0, t0 = self.version(), time.time()
         v = v0 + 2  # ahead of the trainer, which is at most publishing v0 + 1
-        if v >= self.steps:
-            # The trainer keeps an existing version without re-verifying it, so a corrupt copy
-            # of the FINAL version would stay the job's final policy (rollout refuses it and
-            # stays not-ready until the job retires): a known gap, not what this fault tests.
-            self.faults.append({"fault": "corrupt adapter", "skipped": f"v{v} would be the job's final version"})
+        if v > self.steps:
+            self.faults.append({"fault": "corrupt adapter", "skipped": f"v{v} is past the job's last version"})
             return
         m = Manifest(job_id=self.job, version=v, step=v, base_model=self.st.model, files={})
         files = {"adapter_model.safetensors": os.urandom(8192), "adapter_config.json": b"{}"}
@@ -318,6 +315,17 @@ def trained_record(store: Any, job_id: str, steps: int) -> dict[str, Any]:
     return {"groups": len(ids), "unique": len(set(ids)), "duplicates": dupes, "missing_steps": missing}
 
 
+def _intact(store: Any, job_id: str, version: int) -> bool:
+    from shared.policy import version_prefix
+    from shared.store import get_folder
+
+    try:
+        get_folder(store, version_prefix(job_id, version))
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
 def check(stack: Stack, chaos: Chaos, store: Any, job_id: str, spec: dict[str, Any]) -> dict[str, Any]:
     r = connect(stack.redis_url)
     status = httpx.get(f"{stack.api}/v1/jobs/{job_id}", timeout=10).json()
@@ -340,7 +348,11 @@ def check(stack: Stack, chaos: Chaos, store: Any, job_id: str, spec: dict[str, A
         "nothing trained twice (trainer's checkpoints)": not rec["duplicates"] and rec["groups"] == expected,
         "trainer's record == ledger trained": rec["groups"] == a.counters.get("trained", 0),
         "no corrupt checkpoint loaded": chaos.corrupt_ckpt_step not in resumed,
-        "no corrupt version adopted": chaos.corrupt_version is None or chaos.corrupt_version not in adopted,
+        # The trainer replaces a corrupt version in its way, so v may be adopted — but only
+        # as the intact copy (rollout checks every hash; here the store's copy must verify).
+        "no corrupt version adopted": chaos.corrupt_version is None
+        or chaos.corrupt_version not in adopted
+        or _intact(store, job_id, chaos.corrupt_version),
         "malformed entries dead-lettered": len(dead) >= len(STAGE_STREAMS),
         "every service ready at the end": all(ready.values()),
     }

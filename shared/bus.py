@@ -113,12 +113,17 @@ class Bus:
         claim_idle_ms: int = 120_000,
         max_deliveries: int = 5,
         redo_own_pending: bool = True,
+        heartbeat_role: str | None = None,
     ) -> None:
         """`redo_own_pending`: this consumer holds no entry between reads (it handles and
         settles each batch before reading again), so any entry still pending to it at
         read time lost its output — e.g. a Redis restart from an AOF that lacked the last
         second — and is redone within seconds instead of after `claim_idle_ms`. Consumers
         that keep entries pending across reads (the trainer, until its checkpoint) pass False.
+
+        `heartbeat_role`: the service role whose replicas are this group's consumers (the
+        consumer name is the replica id): entries of a replica whose heartbeat expired are
+        taken over at once (see `_take_from_gone`).
         """
         self.r = r
         self.group = group
@@ -126,6 +131,7 @@ class Bus:
         self.claim_idle_ms = claim_idle_ms
         self.max_deliveries = max_deliveries
         self.redo_own_pending = redo_own_pending
+        self.heartbeat_role = heartbeat_role
         self._last_claim = 0.0
         self.stats = BusStats()
         self._settle_script = r.register_script(SETTLE_LUA)
@@ -196,6 +202,7 @@ class Bus:
             taken = self.r.xautoclaim(
                 stream, self.group, self.consumer, self.claim_idle_ms, "0-0", count=count, justid=True
             )
+            taken += self._take_from_gone(stream, count)
             resp = self.r.xreadgroup(self.group, self.consumer, {stream: "0"}, count=count)
             mine = [Entry(stream, _s(eid), f.get(FIELD, b"")) for _, es in resp or [] for eid, f in es if f]
             if mine:
@@ -206,6 +213,28 @@ class Bus:
                 )
                 out += mine
         return out
+
+    def _take_from_gone(self, stream: str, count: int) -> list:
+        """Entries pending to consumers whose service heartbeat has expired: taken now.
+
+        Consumers are named after their replica, and every service heartbeats into a key
+        that expires a few beats after the process dies, so a kill -9'd replica's entries
+        need not wait out `claim_idle_ms` (sized for the slowest handler, minutes). A live
+        consumer mistaken for gone only loses the race to settle: settle is at most once.
+        """
+        if not self.heartbeat_role:
+            return []
+        owners = {_s(c["name"]) for c in self.r.xinfo_consumers(stream, self.group) if int(c["pending"]) > 0}
+        owners.discard(self.consumer)
+        taken: list = []
+        for owner in owners:
+            if self.r.exists(keys.service(self.heartbeat_role, owner)):
+                continue
+            ids = [p["message_id"] for p in self.r.xpending_range(stream, self.group, "-", "+", count, owner)]
+            if ids:  # 2 s idle at least: never snatch an entry in the middle of its delivery
+                taken += self.r.xclaim(stream, self.group, self.consumer, 2000, ids, justid=True)
+                log.warning("taking %d entries from %s, whose heartbeat has expired", len(ids), owner)
+        return taken
 
     def _dead_letter_id(self, stream: str, eid: str, deliveries: int) -> None:
         got = self.r.xrange(stream, eid, eid)

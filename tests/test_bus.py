@@ -198,3 +198,17 @@ def test_own_pending_entries_are_redone_without_waiting_for_the_idle_timeout(r):
     [held] = holder.read([keys.ready(JOB)], count=1, block_ms=50)
     holder._last_claim = 0
     assert holder.read([keys.ready(JOB)], count=1, block_ms=50) == [] and held
+
+
+def test_entries_of_a_replica_whose_heartbeat_expired_are_taken_at_once(r):
+    _flow(r, 4)
+    alive = Bus(r, keys.GROUP_ROLLOUT, "alive")
+    dead = Bus(r, keys.GROUP_ROLLOUT, "dead")
+    held_alive = alive.read([keys.prompts(JOB)], count=2, block_ms=50)
+    held_dead = dead.read([keys.prompts(JOB)], count=2, block_ms=50)
+    r.set(keys.service("rollout", "alive"), b"{}", ex=60)  # only "alive" still heartbeats
+    time.sleep(2.1)  # past the 2 s floor; far below the 2-minute idle timeout
+    heir = Bus(r, keys.GROUP_ROLLOUT, "heir", heartbeat_role="rollout")
+    got = heir.read([keys.prompts(JOB)], count=10, block_ms=50)
+    assert sorted(e.id for e in got) == sorted(e.id for e in held_dead)
+    assert not {e.id for e in got} & {e.id for e in held_alive}

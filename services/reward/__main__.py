@@ -35,7 +35,7 @@ def main() -> None:
     if not ok:  # not a readiness failure: non-code jobs still score; code rewards score 0, tagged
         rt.health.set("sandbox-info", True, f"code rewards disabled: {why}")
     rt.health.set("verifiers", True, ", ".join(verifier_names()))
-    bus = Bus(rt.redis, keys.GROUP_REWARD, settings.replica)
+    bus = Bus(rt.redis, keys.GROUP_REWARD, settings.replica, heartbeat_role="reward")
 
     def count_tags(tags: dict[str, int]) -> None:
         for t, n in tags.items():
