@@ -15,9 +15,12 @@ from bench.chaos import run_chaos
 
 @pytest.mark.slow
 def test_job_survives_chaos(tiny_model):
-    res = run_chaos(steps=12, kills=1, outage_s=10, seed=1, baseline=False, model=str(tiny_model))
+    res = run_chaos(steps=16, kills=1, outage_s=10, seed=1, baseline=False, model=str(tiny_model))
     injected = [f for f in res["faults"] if not f.get("skipped")]
-    assert len(injected) >= 8, res["faults"]  # 5 kills, redis, store, corrupt ckpt (+ adapter, malformed)
+    # 10 planned (5 kills, redis, store, corrupt checkpoint, corrupt adapter, malformed);
+    # a fault is skipped only if the job already completed, and most must land.
+    assert len(injected) >= 8, res["faults"]
+    assert all(f["skipped"] == "job already complete" for f in res["faults"] if f.get("skipped")), res["faults"]
     assert all(f["survived"] for f in injected)
     checks = res["checks"]
     assert checks["job completed"], res
@@ -29,4 +32,6 @@ def test_job_survives_chaos(tiny_model):
     assert checks["malformed entries dead-lettered"], res["dead_letters"]
     assert checks["every service ready at the end"], res["ready"]
     # Only the restarts the faults called for: one per kill, plus the trainer's after the corrupt checkpoint.
-    assert res["restarts"]["api"] == 1 and res["restarts"]["reward"] == 1, res["restarts"]
+    expected = {s: sum(f["fault"] == f"kill9:{s}" for f in injected) for s in res["restarts"]}
+    expected["trainer"] += sum(f["fault"].startswith("corrupt + partial checkpoint") for f in injected)
+    assert res["restarts"] == expected, (res["restarts"], injected)
