@@ -171,6 +171,11 @@ class Bus:
                 out.append(Entry(_s(stream), _s(eid), fields.get(FIELD, b"")))
         return out
 
+    def redo_now(self) -> None:
+        """Run the reclaim pass (own pending entries, dead consumers') on the next read,
+        e.g. after the stage's engine was away and left its entries pending."""
+        self._last_claim = 0.0
+
     def _reclaim(self, streams: list[str], count: int) -> list[Entry]:
         now = time.monotonic()
         if now - self._last_claim < min(5.0, self.claim_idle_ms / 2000):

@@ -29,17 +29,34 @@ def record_point(r: redis.Redis, job_id: str, source: str, values: dict[str, Any
     r.xadd(keys.metrics(job_id), {b"m": encode_point(source, time.time(), values)}, maxlen=MAX_POINTS, approximate=True)
 
 
-def read_points(r: redis.Redis, job_id: str, source: str | None = None) -> list[dict[str, Any]]:
-    out = []
-    for sid, fields in r.xrange(keys.metrics(job_id)):
-        try:
-            p = decode_point(fields[b"m"])
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:  # a foreign writer: skip, say so
-            log.warning("job %s: metric point %s is not valid metric JSON, skipped: %s", job_id, sid, e)
-            continue
-        if source is None or p.get("source") == source:
-            out.append(p)
-    return out
+def read_points(
+    r: redis.Redis,
+    job_id: str,
+    source: str | None = None,
+    *,
+    after: str | None = None,
+    limit: int | None = None,
+    with_ids: bool = False,
+) -> list[dict[str, Any]]:
+    """The job's points, oldest first; with `after` (a stream id) only newer ones. With
+    `with_ids` each carries its stream `id`, the cursor for the next call: the dashboard
+    and the tracker bridge poll, and a long job holds up to MAX_POINTS."""
+    out: list[dict[str, Any]] = []
+    start = f"({after}" if after else "-"
+    while limit is None or len(out) < limit:
+        batch = r.xrange(keys.metrics(job_id), min=start, max="+", count=1000)
+        for sid, fields in batch:
+            try:
+                p = decode_point(fields[b"m"])
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:  # a foreign writer: skip, say so
+                log.warning("job %s: metric point %s is not valid metric JSON, skipped: %s", job_id, sid, e)
+                continue
+            if source is None or p.get("source") == source:
+                out.append({"id": sid.decode(), **p} if with_ids else p)
+        if len(batch) < 1000:
+            break
+        start = f"({batch[-1][0].decode()}"
+    return out if limit is None else out[:limit]
 
 
 def record_eval(r: redis.Redis, job_id: str, version: int, result: dict[str, Any]) -> None:

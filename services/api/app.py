@@ -12,6 +12,7 @@ from fastapi.staticfiles import StaticFiles
 from services.api import jobs, overview
 from shared import keys
 from shared.job import JobRecord, JobSpec
+from shared.metrics import read_points
 from shared.service import ServiceRuntime
 from shared.tasks import task_for_job
 
@@ -78,7 +79,7 @@ def build_routes(rt: ServiceRuntime) -> FastAPI:
         """The job's metric points, oldest first; each carries `id`, the cursor for `after`."""
         if not r.hexists(keys.jobs_index(), job_id):
             raise _not_found(job_id)
-        return jobs.points_after(r, job_id=job_id, after=after, source=source, limit=limit)
+        return read_points(r, job_id, source, after=after, limit=limit, with_ids=True)
 
     def _action(action: str) -> None:
         @router.post(

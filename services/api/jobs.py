@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from typing import Any
@@ -68,29 +67,6 @@ def transition(r: redis.Redis, *, job_id: str, action: str) -> JobRecord:
     if target == JobState.cancelled:
         r.srem(keys.active_jobs(), job_id)
     return rec
-
-
-def points_after(
-    r: redis.Redis, *, job_id: str, after: str | None = None, source: str | None = None, limit: int = 10_000
-) -> list[dict[str, Any]]:
-    """Metric points newer than the stream id `after`, each with its stream `id` as a cursor.
-
-    `shared.metrics.read_points` returns the whole series without ids; the dashboard and
-    the tracker bridge poll, so they need a cursor to fetch only what is new (a long job
-    holds up to 100k points). Same decoding as `read_points`.
-    """
-    out: list[dict[str, Any]] = []
-    start = f"({after}" if after else "-"
-    while len(out) < limit:
-        batch = r.xrange(keys.metrics(job_id), min=start, max="+", count=min(1000, limit))
-        if not batch:
-            break
-        for sid, fields in batch:
-            p = json.loads(fields[b"m"])
-            if source is None or p.get("source") == source:
-                out.append({"id": sid.decode(), **p})
-        start = f"({batch[-1][0].decode()}"
-    return out[:limit]
 
 
 def job_status(r: redis.Redis, *, job_id: str) -> dict[str, Any]:

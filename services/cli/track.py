@@ -225,9 +225,9 @@ class RedisSource:
         self.r, self.job_id = connect(redis_url), job_id
 
     def points(self, after: str | None) -> list[dict[str, Any]]:
-        from services.api.jobs import points_after
+        from shared.metrics import read_points
 
-        return points_after(self.r, job_id=self.job_id, after=after)
+        return read_points(self.r, self.job_id, after=after, with_ids=True)
 
     def status(self) -> dict[str, Any]:
         from shared import keys

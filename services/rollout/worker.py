@@ -44,7 +44,7 @@ from services.rollout.engine import Adapter, AdapterError, Engine, EngineError, 
 from services.rollout.episodes import Episode, episode_stats, new_episode, run_episodes, stuck_env_calls
 from services.rollout.settings import RolloutSettings
 from shared import keys
-from shared.bus import FIELD, Bus, Entry
+from shared.bus import Bus, Entry
 from shared.envs import EnvError, load_env_plugins
 from shared.job import JobRecord, JobSpec, JobState, load_job, same_model
 from shared.metrics import record_eval, record_point
@@ -127,7 +127,6 @@ class RolloutWorker:
         self.jobs: dict[str, JobView] = {}
         self.cache = settings.data_dir / "adapters" / f"{settings.replica}-{uuid.uuid4().hex[:6]}"
         self.engine_ok = True
-        self._replay_own = False  # after an engine outage: redo our own pending entries first
         self._attempts: dict[tuple[str, int], int] = {}  # (job, version) -> adoption attempts
         # The job whose full weights the engine serves as its base model (None: the pool's
         # base model). While set, this pool serves that job only.
@@ -191,7 +190,10 @@ class RolloutWorker:
         except (EngineError, AdapterError, ProbeMismatch) as e:
             self.rt.health.set("engine", False, f"engine back, but reloading adapters failed: {e}")
             return False
-        self.engine_ok, self._replay_own = True, True
+        self.engine_ok = True
+        # Our own entries left pending by the outage: redone on the next read, not after
+        # the bus's idle timeout.
+        self.bus.redo_now()
         self.rt.health.set("engine", True)
         return True
 
@@ -797,21 +799,6 @@ class RolloutWorker:
 
     # -- generation ------------------------------------------------------------------
     def _read(self, streams: list[str]) -> list[Entry]:
-        if self._replay_own and streams:
-            # Our own entries left pending by an engine outage, without waiting for the
-            # bus's idle-time reclaim (2 min).
-            self._replay_own = False
-            resp = self.rt.redis.xreadgroup(
-                keys.GROUP_ROLLOUT, self.s.replica, {s: "0" for s in streams}, count=self.s.prompts_per_batch
-            )
-            got = [
-                Entry(s.decode() if isinstance(s, bytes) else s, i.decode(), f.get(FIELD, b""))
-                for s, es in resp or []
-                for i, f in es
-                if f
-            ]
-            if got:
-                return got
         return self.bus.read(streams, count=self.s.prompts_per_batch, block_ms=500)
 
     def generate_once(self) -> dict[str, dict[str, float]]:
