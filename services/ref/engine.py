@@ -18,10 +18,9 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-import httpx
+from shared.openai_server import OpenAIServer
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +196,7 @@ class VllmScorer:
             log.debug("engine shutdown: %s", e)
 
 
-class RemoteScorer:
+class RemoteScorer(OpenAIServer):
     """Client of an OpenAI-compatible vLLM server (`vllm serve MODEL --served-model-name <ref model>`)."""
 
     mode = "remote"
@@ -217,23 +216,21 @@ class RemoteScorer:
     ) -> None:
         if not url:
             raise EngineError("remote engine: set BURSTRL_REF_ENGINE_URL to the vLLM server's base URL")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.url = url.rstrip("/").removesuffix("/v1")
+        super().__init__(
+            url=url,
+            api_key=api_key,
+            timeout_s=timeout_s,
+            concurrency=concurrency,
+            thread_name="ref-remote",
+            away=EngineError,
+        )
         self.model = model
-        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
-        self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="ref-remote")
         self.prompts_per_request = prompts_per_request
         self.served_model, self.max_len = self._model_card(served_model)
         self._echo_only = False  # set once a server ignored prompt_logprobs
 
     def _model_card(self, served: str) -> tuple[str, int]:
-        try:
-            resp = self.http.get("/v1/models")
-        except httpx.HTTPError as e:
-            raise EngineError(f"remote engine {self.url} unreachable: {type(e).__name__}: {e}") from e
-        if resp.status_code != 200:
-            raise EngineError(f"remote engine {self.url}/v1/models: HTTP {resp.status_code}: {resp.text[:200]}")
-        cards = [m for m in resp.json().get("data", []) if not m.get("parent")]  # LoRA cards name a parent
+        cards = self.base_models()
         if served:
             cards = [m for m in cards if m.get("id") == served]
         if not cards:
@@ -242,11 +239,8 @@ class RemoteScorer:
         max_len = int(cards[0].get("max_model_len") or 1 << 30) - 1
         return cards[0]["id"], max_len
 
-    def _post(self, body: dict) -> dict:
-        try:
-            resp = self.http.post("/v1/completions", json=body)
-        except httpx.HTTPError as e:
-            raise EngineError(f"remote engine {self.url} unreachable: {type(e).__name__}: {e}") from e
+    def _complete(self, body: dict) -> dict:
+        resp = self._post("/v1/completions", body)
         if resp.status_code >= 500:
             raise EngineError(f"remote engine: HTTP {resp.status_code}: {resp.text[:300]}")
         if resp.status_code >= 400:  # too long, bad token ids: the input, not the server
@@ -261,7 +255,7 @@ class RemoteScorer:
             "temperature": 0.0,
         }
         if not self._echo_only:
-            choices = sorted(self._post({**body, "prompt_logprobs": 0})["choices"], key=lambda c: c["index"])
+            choices = sorted(self._complete({**body, "prompt_logprobs": 0})["choices"], key=lambda c: c["index"])
             if len(choices) != len(seqs):
                 raise EngineError(f"remote engine returned {len(choices)} choices for {len(seqs)} prompts")
             if all(c.get("prompt_logprobs") is not None for c in choices):
@@ -271,7 +265,7 @@ class RemoteScorer:
             self._echo_only = True
         # The OpenAI way: echo the prompt with each token's log-prob (first one is null).
         body = {**body, "echo": True, "logprobs": 0, "return_tokens_as_token_ids": True}
-        choices = sorted(self._post(body)["choices"], key=lambda c: c["index"])
+        choices = sorted(self._complete(body)["choices"], key=lambda c: c["index"])
         out = []
         for c, (p, comp) in zip(choices, seqs, strict=True):
             lps = c["logprobs"]["token_logprobs"]
@@ -284,18 +278,6 @@ class RemoteScorer:
         n = self.prompts_per_request
         futures = [self.pool.submit(self._score_chunk, seqs[i : i + n]) for i in range(0, len(seqs), n)]
         return [lp for f in futures for lp in f.result()]
-
-    def check(self) -> None:
-        try:
-            resp = self.http.get("/health", timeout=5)
-        except httpx.HTTPError as e:
-            raise EngineError(f"remote engine {self.url} unreachable: {type(e).__name__}: {e}") from e
-        if resp.status_code != 200:
-            raise EngineError(f"remote engine {self.url}/health: HTTP {resp.status_code}")
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        self.http.close()
 
 
 def build_scorer(settings) -> Scorer:  # noqa: ANN001 (RefSettings; imported lazily by the caller)

@@ -26,11 +26,10 @@ import itertools
 import logging
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-import httpx
+from shared.openai_server import OpenAIServer
 
 log = logging.getLogger(__name__)
 
@@ -310,7 +309,7 @@ class InProcessEngine:
             log.debug("engine shutdown: %s", e)
 
 
-class RemoteEngine:
+class RemoteEngine(OpenAIServer):
     """A client of a remote OpenAI-compatible vLLM server (`vllm serve ... --enable-lora`)."""
 
     mode = "remote"
@@ -327,22 +326,20 @@ class RemoteEngine:
         concurrency: int = 16,
         path_map: tuple[str, str] | None = None,
     ) -> None:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.url = url.rstrip("/")
-        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
-        self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="remote-engine")
+        super().__init__(
+            url=url,
+            api_key=api_key,
+            timeout_s=timeout_s,
+            concurrency=concurrency,
+            thread_name="remote-engine",
+            away=EngineError,
+        )
         self.path_map = path_map
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self.served_model = served_model or self._base_model()
 
     # -- plumbing --------------------------------------------------------------------
-    def _post(self, path: str, body: dict) -> httpx.Response:
-        try:
-            return self.http.post(path, json=body)
-        except httpx.HTTPError as e:  # refused, timed out, reset: the engine is away
-            raise EngineError(f"remote engine {self.url} unreachable: {type(e).__name__}: {e}") from e
-
     def _json(self, path: str, body: dict) -> dict:
         resp = self._post(path, body)
         if resp.status_code >= 500:
@@ -356,15 +353,7 @@ class RemoteEngine:
         return resp.json()
 
     def _base_model(self) -> str:
-        try:
-            resp = self.http.get("/v1/models")
-        except httpx.HTTPError as e:
-            raise EngineError(f"remote engine {self.url} unreachable: {type(e).__name__}: {e}") from e
-        if resp.status_code != 200:
-            raise EngineError(f"remote engine {self.url}/v1/models: HTTP {resp.status_code}: {resp.text[:200]}")
-        models = resp.json().get("data", [])
-        # LoRA cards name their base in `parent`; the base model itself has none.
-        bases = [m["id"] for m in models if not m.get("parent")]
+        bases = [m["id"] for m in self.base_models()]
         if not bases:
             raise EngineError(f"remote engine {self.url} serves no base model")
         return bases[0]
@@ -470,15 +459,3 @@ class RemoteEngine:
             return [float(x) for x in lp[1 : len(token_ids)]]
         # JSON object keys are strings: {"<token id>": {"logprob": ..., "rank": ...}}
         return [float(plp[i][str(t)]["logprob"]) for i, t in enumerate(token_ids) if i > 0]
-
-    def check(self) -> None:
-        try:
-            resp = self.http.get("/health", timeout=5)
-        except httpx.HTTPError as e:
-            raise EngineError(f"remote engine {self.url} unreachable: {type(e).__name__}: {e}") from e
-        if resp.status_code != 200:
-            raise EngineError(f"remote engine {self.url}/health: HTTP {resp.status_code}")
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        self.http.close()
