@@ -43,6 +43,7 @@ from services.ref.__main__ import RefSettings
 from services.reward.settings import RewardSettings
 from services.rollout.settings import RolloutSettings
 from services.trainer.settings import TrainerSettings
+from shared.envs.python_tool import ToolSettings
 from shared.job import JobSpec
 from shared.sandbox import SandboxSettings
 from shared.settings import DEFAULT_PORTS, CommonSettings
@@ -69,7 +70,7 @@ REQUIRED_SECRETS = [
     "STORE_SECRET_KEY",
 ]
 SETTINGS_CLASSES = [CommonSettings, ApiSettings, RolloutSettings, TrainerSettings, RefSettings, RewardSettings]
-SETTINGS_CLASSES += [SandboxSettings]
+SETTINGS_CLASSES += [SandboxSettings, ToolSettings]
 
 
 # ------------------------------------------------------------------------------------ helpers

@@ -25,6 +25,11 @@ def stack_env(home: Path, model: str, redis_url: str, store_url: str | None = No
         # vLLM's "auto" dtype runs an fp32 checkpoint in bf16 on CPU; in fp32 the sampler's
         # log-probs match the fp32 trainer's and the version probe can use a tight tolerance.
         "BURSTRL_ROLLOUT_DTYPE": os.environ.get("BURSTRL_ROLLOUT_DTYPE", "float32"),
+        # Rollout's "python" environment runs tool code on the reward service's sandbox; its token
+        # is the stack's BURSTRL_TOKEN (ToolSettings falls back to it), none in local-dev mode.
+        "BURSTRL_TOOLS_SANDBOX_URL": os.environ.get(
+            "BURSTRL_TOOLS_SANDBOX_URL", f"http://127.0.0.1:{DEFAULT_PORTS['reward']}"
+        ),
     }
     if not os.environ.get("BURSTRL_TOKEN"):
         env["BURSTRL_DEV"] = "1"  # loopback-only local-dev mode

@@ -6,6 +6,7 @@ from prometheus_client import Counter, Gauge
 
 from services.reward.scorer import Scorer
 from services.reward.settings import RewardSettings
+from services.reward.tool_api import add_tool_routes
 from services.reward.worker import handle
 from shared import keys
 from shared.bus import Bus
@@ -18,6 +19,7 @@ def main() -> None:
     setup_logging("reward")
     settings = RewardSettings()
     rt = ServiceRuntime("reward", settings)
+    add_tool_routes(rt, settings)  # POST /v1/sandbox/run: the "python" environment's tool calls
     rt.start()
     rt.preflight()
     scored = Counter("burstrl_reward_groups", "Groups scored", registry=rt.registry)

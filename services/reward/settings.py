@@ -29,6 +29,19 @@ class RewardSettings(CommonSettings):
         120.0, gt=0, description="Ceiling on any job's task_spec.timeout_s (deadline to score one group)."
     )
 
+    # The python tool (POST /v1/sandbox/run, the "python" environment's backend). Limits are the
+    # service's: a caller only chooses a timeout, and only up to tool_max_timeout_s.
+    tool_concurrency: int = Field(
+        2, ge=1, le=256, description="Sandbox runs served at once by /v1/sandbox/run; more wait (then 503 busy)."
+    )
+    tool_max_timeout_s: float = Field(
+        10.0, gt=0, le=120, description="Ceiling on a /v1/sandbox/run request's timeout_s (wall clock of one run)."
+    )
+    tool_memory_mb: int = Field(256, ge=32, le=16384, description="Address-space limit of one tool run.")
+    tool_max_output: int = Field(
+        65536, ge=1024, le=1 << 22, description="Characters of stdout kept per tool run (then output_limit)."
+    )
+
     @property
     def plugin_modules(self) -> list[str]:
         return [m.strip() for m in self.plugins.split(",") if m.strip()]

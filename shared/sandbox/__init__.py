@@ -18,9 +18,12 @@ Isolation, per run (Linux namespaces through util-linux `unshare`, no setuid hel
 
 The verdict is computed here, outside, by comparing what the solution printed or
 returned with expected values that never enter the sandbox; its exit code is ignored.
+`run_program` is the tool-call flavour (the "python" environment, through the reward
+service's /v1/sandbox/run): one run on one stdin, returning what it printed and why it
+ended, through the same isolation.
 
 Where isolation is unavailable (no `unshare`, user namespaces disabled, no usable
-Python for the sandbox uid) `run_code` raises `SandboxUnavailable` saying what to fix:
+Python for the sandbox uid) `run_code` and `run_program` raise `SandboxUnavailable` saying what to fix:
 there is no unsandboxed fallback.
 """
 
@@ -218,21 +221,18 @@ def _kill_run(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run_code(code: str, tests: list[dict[str, Any]], limits: Limits | None = None) -> RunResult:
-    """Run `code` on each test and judge it.
+def _spawn(code: str, tests: list[dict[str, Any]], lim: Limits) -> tuple[bytes, bytes, int | None, bool]:
+    """Run the harness on `tests` (only what may cross in) under full isolation.
 
-    A test is {"stdin": str, "stdout": str} (a program) or {"call": name, "args": [...],
-    "expected": value} (a function). Raises SandboxUnavailable; never runs unisolated.
+    Returns the harness's stdout, its stderr, the exit status and whether the wall-clock
+    deadline killed it. Raises SandboxUnavailable; never runs unisolated. Every entry
+    point (run_code, run_program) goes through here, so they share one isolation path.
     """
-    lim = limits or Limits()
     s = settings()
-    t0 = time.monotonic()
-    # Only what the solution needs crosses in: never the expected outputs.
-    visible = [{k: t[k] for k in ("stdin", "call", "args") if k in t} for t in tests]
     payload = json.dumps(
         {
             "code": code,
-            "tests": visible,
+            "tests": tests,
             "tmpfs_mb": lim.tmpfs_mb,
             "max_output": lim.max_output,
             "max_report": lim.max_report,
@@ -263,7 +263,54 @@ def run_code(code: str, tests: list[dict[str, Any]], limits: Limits | None = Non
         finally:
             if proc.poll() is None:
                 _kill_run(proc)
-    res = _judge(tests, out, err, proc.returncode, timed_out)
+    return out, err, proc.returncode, timed_out
+
+
+def run_code(code: str, tests: list[dict[str, Any]], limits: Limits | None = None) -> RunResult:
+    """Run `code` on each test and judge it.
+
+    A test is {"stdin": str, "stdout": str} (a program) or {"call": name, "args": [...],
+    "expected": value} (a function). Raises SandboxUnavailable; never runs unisolated.
+    """
+    lim = limits or Limits()
+    t0 = time.monotonic()
+    # Only what the solution needs crosses in: never the expected outputs.
+    visible = [{k: t[k] for k in ("stdin", "call", "args") if k in t} for t in tests]
+    res = _judge(tests, _read_report(*_spawn(code, visible, lim)))
+    res.seconds = time.monotonic() - t0
+    return res
+
+
+@dataclass
+class ProgramResult:
+    """What one program run printed, and why it ended (RunResult's reason vocabulary)."""
+
+    stdout: str = ""
+    reason: str = "ok"  # "ok", "runtime_error:Kind", "wall_time_limit", "output_limit", "syntax_error", ...
+    detail: str = ""  # e.g. "ZeroDivisionError: division by zero" (the traceback's last line)
+    seconds: float = 0.0
+
+
+def run_program(code: str, stdin: str = "", limits: Limits | None = None) -> ProgramResult:
+    """Run `code` once as a program on `stdin` and return what it printed (a tool call).
+
+    Same isolation as run_code; there is nothing to judge, so the reason only says how
+    the run ended. stdout is what the program printed before it ended (capped at
+    limits.max_output characters). Raises SandboxUnavailable; never runs unisolated.
+    """
+    lim = limits or Limits()
+    t0 = time.monotonic()
+    rep = _read_report(*_spawn(code, [{"stdin": stdin}], lim))
+    got = rep.tests.get(0) or {}
+    res = ProgramResult(stdout=str(got.get("stdout", "")))
+    headline = _headline(rep)
+    if headline is not None:
+        res.reason, res.detail = headline
+    elif "error" in got:
+        res.reason, res.detail = _error_reason(str(got["error"])), str(got["error"])
+    elif got.get("exit") not in (None, "0", "None"):
+        # sys.exit(<non-zero>): the program says it failed; what it printed still comes back.
+        res.reason, res.detail = "runtime_error:SystemExit", f"exit status {got['exit']}"
     res.seconds = time.monotonic() - t0
     return res
 
@@ -276,17 +323,28 @@ _SIGNAL_REASONS = {
 }
 
 
-def _judge(tests: list[dict[str, Any]], out: bytes, err: bytes, rc: int | None, timed_out: bool) -> RunResult:
-    fail = [TestResult(False, "not_run") for _ in tests]
+@dataclass
+class _Report:
+    """The harness's report, parsed; `failure` is set when there is no usable report."""
+
+    failure: tuple[str, str] | None = None  # (reason, detail): wall_time_limit, sandbox_error, ...
+    tests: dict[int, dict[str, Any]] = field(default_factory=dict)  # what each test printed/returned
+    fatal: str | None = None  # the code did not compile
+    overflow: bool = False
+    done: bool = False  # the worker reported every test
+    exit_code: int = 0
+
+
+def _read_report(out: bytes, err: bytes, rc: int | None, timed_out: bool) -> _Report:
     if timed_out:
-        return RunResult(fail, "wall_time_limit")
+        return _Report(failure=("wall_time_limit", ""))
     try:
         env = json.loads(out)
     except ValueError:
         msg = err.decode(errors="replace").strip()[-300:]
         if "Operation not permitted" in msg or "unshare failed" in msg or "No such file" in msg:
             raise SandboxUnavailable(f"sandbox could not start: {msg}") from None
-        return RunResult(fail, "sandbox_error", msg or f"no report (exit {rc})")
+        return _Report(failure=("sandbox_error", msg or f"no report (exit {rc})"))
     if "setup_error" in env:
         raise SandboxUnavailable(f"sandbox setup failed inside the namespaces: {env['setup_error']}")
     lines = []
@@ -294,24 +352,48 @@ def _judge(tests: list[dict[str, Any]], out: bytes, err: bytes, rc: int | None, 
         try:
             lines.append(json.loads(ln))
         except ValueError:
-            return RunResult(fail, "report_corrupted")
-    by_index = {d["i"]: d for d in lines if isinstance(d, dict) and isinstance(d.get("i"), int)}
-    fatal = next((d["fatal"] for d in lines if isinstance(d, dict) and "fatal" in d), None)
-    done = any(isinstance(d, dict) and d.get("done") is True for d in lines)
-    exit_code = env.get("exit", 0)
-    results = [_judge_one(t, by_index.get(i)) for i, t in enumerate(tests)]
-    if fatal:
-        return RunResult(results, "syntax_error", fatal)
-    if env.get("overflow"):
-        return RunResult(results, "output_limit")
-    if not done:
-        if exit_code < 0:
-            reason = _SIGNAL_REASONS.get(-exit_code, f"signal_{-exit_code}")
-            return RunResult(results, reason)
+            return _Report(failure=("report_corrupted", ""))
+    dicts = [d for d in lines if isinstance(d, dict)]
+    return _Report(
+        tests={d["i"]: d for d in dicts if isinstance(d.get("i"), int)},
+        fatal=next((d["fatal"] for d in dicts if "fatal" in d), None),
+        overflow=bool(env.get("overflow")),
+        done=any(d.get("done") is True for d in dicts),
+        exit_code=env.get("exit", 0),
+    )
+
+
+def _headline(rep: _Report) -> tuple[str, str] | None:
+    """Why the whole run failed, whatever each test did (None: look at the tests)."""
+    if rep.failure is not None:
+        return rep.failure
+    if rep.fatal:
+        return "syntax_error", rep.fatal
+    if rep.overflow:
+        return "output_limit", ""
+    if not rep.done:
+        if rep.exit_code < 0:
+            return _SIGNAL_REASONS.get(-rep.exit_code, f"signal_{-rep.exit_code}"), ""
         # os._exit() or a crash of the worker before it reported every test
-        return RunResult(results, "exited_early", f"worker exit status {exit_code}")
+        return "exited_early", f"worker exit status {rep.exit_code}"
+    return None
+
+
+def _judge(tests: list[dict[str, Any]], rep: _Report) -> RunResult:
+    if rep.failure is not None:  # no usable report: nothing ran, as far as we can tell
+        return RunResult([TestResult(False, "not_run") for _ in tests], *rep.failure)
+    results = [_judge_one(t, rep.tests.get(i)) for i, t in enumerate(tests)]
+    headline = _headline(rep)
+    if headline is not None:
+        return RunResult(results, *headline)
     failed = [r.reason for r in results if not r.passed]
     return RunResult(results, "ok" if not failed else failed[0])
+
+
+def _error_reason(error: str) -> str:
+    # The harness reports "Kind: message"; the CappedWriter's OverflowError is the output cap.
+    kind = error.split(":", 1)[0]
+    return "output_limit" if kind == "OverflowError" else f"runtime_error:{kind}"
 
 
 def _normalize(text: str) -> str:
@@ -338,8 +420,7 @@ def _judge_one(test: dict[str, Any], got: dict[str, Any] | None) -> TestResult:
     if got is None:
         return TestResult(False, "not_run")
     if "error" in got:
-        kind = str(got["error"]).split(":", 1)[0]
-        return TestResult(False, "output_limit" if kind == "OverflowError" else f"runtime_error:{kind}")
+        return TestResult(False, _error_reason(str(got["error"])))
     if "call" in test:
         try:
             ret = json.loads(got.get("ret", "null"))
