@@ -67,6 +67,12 @@ class AlgorithmSpec(BaseModel):
         description="grpo: (r - group mean) / group std; dr_grpo: r - group mean; rloo: leave-one-out baseline; "
         "distill: per-token teacher-minus-sampler log-prob (the ref model is the teacher).",
     )
+    advantage_level: Literal["episode", "turn"] = Field(
+        "episode",
+        description="episode: one advantage per completion, from its reward; turn (multi-turn jobs, with grpo, "
+        "dr_grpo or rloo): each model turn's tokens get the advantage of its return-to-go (its own and later turns' "
+        "step rewards plus the final score), baselined against the group's episodes at the same turn index.",
+    )
     ratio_level: Literal["token", "sequence"] = Field(
         "token", description="PPO ratio per token (GRPO/DAPO) or per sequence (GSPO: geometric mean)."
     )
@@ -167,6 +173,22 @@ class JobSpec(BaseModel):
             raise ValueError("teacher is set but unused: set algorithm.advantage = 'distill' or kl_coef > 0")
         if self.algorithm.distill_reward_weight > 0.0 and self.algorithm.advantage != "distill":
             raise ValueError("algorithm.distill_reward_weight needs algorithm.advantage = 'distill'")
+        return self
+
+    @model_validator(mode="after")
+    def _turn_level_fits(self) -> Self:
+        a = self.algorithm
+        if a.advantage_level == "turn":
+            if not self.env.name:
+                raise ValueError(
+                    "algorithm.advantage_level = 'turn' needs a multi-turn job: set env.name (e.g. 'calc'); "
+                    "single-turn completions have one turn, so use 'episode'"
+                )
+            if a.advantage not in ("grpo", "dr_grpo", "rloo"):
+                raise ValueError(
+                    f"algorithm.advantage_level = 'turn' works with advantage grpo, dr_grpo or rloo, not "
+                    f"{a.advantage!r} (distill is already per token)"
+                )
         return self
 
     @property

@@ -60,7 +60,14 @@ class PromptMsg(Message, tag="prompt", kw_only=True):
 
 
 class Completion(msgspec.Struct, kw_only=True):
-    """One sampled completion. Arrays are packed; all have len(token_ids) entries."""
+    """One sampled completion. Token arrays are packed; all have len(token_ids) entries.
+
+    A multi-turn episode also carries its model turns (K of them): where each starts in
+    token_ids and the environment's step reward for it, so the trainer can credit turns
+    separately (algorithm.advantage_level = "turn"). Single-turn completions leave both
+    empty; they default to b"" so messages without them still decode, and older readers
+    ignore them.
+    """
 
     token_ids: bytes  # int32[T]
     logprobs: bytes  # float32[T]: the sampler's log-prob of each sampled token
@@ -70,6 +77,8 @@ class Completion(msgspec.Struct, kw_only=True):
     reward: float = 0.0
     reward_parts: dict[str, float] = {}
     ref_logprobs: bytes = b""  # float32[T], filled by ref
+    turn_starts: bytes = b""  # int32[K]: index into token_ids where model turn k starts (ascending)
+    turn_rewards: bytes = b""  # float32[K]: the environment's step reward for model turn k (tags excluded)
 
 
 class GroupMsg(Message, tag="group", kw_only=True):

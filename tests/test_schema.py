@@ -60,3 +60,30 @@ def test_heartbeats_round_trip_and_reject_garbage():
     for bad in (b"not json", b'{"role": "x"}', b'{"role":1,"replica":"r","host":"h","port":1,"version":"0"}'):
         with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
             decode_heartbeat(bad)
+
+
+def test_turn_fields_round_trip_and_are_backward_compatible():
+    g = _group()
+    assert g.completions[0].turn_starts == b"" and g.completions[0].turn_rewards == b""  # single-turn
+    g.completions[0].turn_starts = pack_i32([0, 2])
+    g.completions[0].turn_rewards = pack_f32([-0.25, 0.0])
+    c = decode(encode(g), GroupMsg).completions[0]
+    assert unpack_i32(c.turn_starts).tolist() == [0, 2]
+    np.testing.assert_array_equal(unpack_f32(c.turn_rewards), np.float32([-0.25, 0.0]))
+
+    # A message from a writer that predates the fields decodes with them empty...
+    raw = msgspec.msgpack.decode(encode(_group()))
+    for rc in raw["completions"]:
+        del rc["turn_starts"], rc["turn_rewards"]
+    c = decode(msgspec.msgpack.encode(raw), GroupMsg).completions[0]
+    assert c.turn_starts == b"" and c.turn_rewards == b""
+
+    # ...and a reader that predates them ignores them (msgspec skips unknown fields).
+    class OldCompletion(msgspec.Struct, kw_only=True):
+        token_ids: bytes
+        logprobs: bytes
+        loss_mask: bytes
+        text: str
+        finish_reason: str
+
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(g.completions[0]), type=OldCompletion).text == "12"

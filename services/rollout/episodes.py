@@ -12,7 +12,9 @@ The episode's completion after the prompt interleaves
 Its `text` is the final answer the environment hands to the task's verifier; its
 `reward_parts` carry the environment's reward parts and, when the episode did not end
 normally, a zero-valued tag "env!<reason>" (max_turns, max_tokens, context, wall_time,
-timeout, error:<Exception>).
+timeout, error:<Exception>). Its `turn_starts` / `turn_rewards` say where each model turn
+starts in the token ids and what the environment's step paid for it (tags excluded), so the
+trainer can give each turn its own advantage.
 
 Limits per episode: model turns, tokens after the prompt (generated + observations),
 wall time, and a deadline on each reset/step call. Environment code runs in daemon threads
@@ -34,7 +36,7 @@ from typing import Any
 from services.rollout.engine import Adapter, Engine, SamplingConfig
 from shared.envs import Env, EnvSpec, StepResult, make_env
 from shared.schema import Completion, pack_f32, pack_i32, pack_u8
-from shared.verifiers import TAG_SEP
+from shared.verifiers import TAG_SEP, split_parts
 
 _TIMEOUT = object()
 _stuck_lock = threading.Lock()
@@ -103,6 +105,7 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     turn_starts: list[int] = field(default_factory=list)  # index in `ids` where each model turn starts
+    turn_rewards: list[float] = field(default_factory=list)  # each model turn's step reward (tags excluded)
     parts: dict[str, float] = field(default_factory=dict)
     answer: str = ""
     turns: int = 0
@@ -140,6 +143,8 @@ class Episode:
             text=self.answer,
             finish_reason=self.finish_reason,
             reward_parts=parts,
+            turn_starts=pack_i32(self.turn_starts),
+            turn_rewards=pack_f32(self.turn_rewards),
         )
 
 
@@ -209,6 +214,7 @@ def run_episodes(engine: Engine, episodes: list[Episode]) -> None:
                 # Cut by the episode's budget (not the turn cap): the turn is unfinished, no answer.
                 over = keep < len(s.token_ids) or (s.finish_reason == "length" and budget <= keep < cfg.max_tokens)
                 e.turn_starts.append(len(e.ids))
+                e.turn_rewards.append(0.0)  # a turn cut short, or whose step fails, earns nothing
                 e.ids += list(s.token_ids[:keep])
                 e.logprobs += list(s.logprobs[:keep])
                 e.mask += [1] * keep
@@ -226,11 +232,15 @@ def run_episodes(engine: Engine, episodes: list[Episode]) -> None:
                 e._finish(err or "error:bad_step_result")
                 continue
             try:
-                for k, v in r.reward_parts.items():
-                    e.parts[str(k)] = e.parts.get(str(k), 0.0) + float(v)
+                step_parts = {str(k): float(v) for k, v in r.reward_parts.items()}
             except (TypeError, ValueError, AttributeError):
                 e._finish("error:bad_reward_parts")
                 continue
+            for k, v in step_parts.items():
+                e.parts[k] = e.parts.get(k, 0.0) + v
+            # The turn's own reward, for per-turn credit: its parts' values, tags ("x!reason")
+            # left out as the reward stage's split_parts does (they are zero-valued markers).
+            e.turn_rewards[-1] = sum(split_parts(step_parts)[0].values())
             e.tool_calls += int(bool(r.tool_call))
             e.tool_errors += int(bool(r.tool_error))
             if r.done:

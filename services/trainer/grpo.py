@@ -1,6 +1,7 @@
 """The GRPO-family math, re-exported from the small modules that hold it.
 
-- advantages.py: GRPO / Dr.GRPO / RLOO / distillation advantages, KL-in-reward, zero-variance groups;
+- advantages.py: GRPO / Dr.GRPO / RLOO / distillation advantages (episode or per-turn level),
+  KL-in-reward, zero-variance groups;
 - losses.py: per-token log-probs and entropy, k1/k2/k3 KL, mismatch (TIS/MIS) weights,
   aggregation modes, the PPO-clip / GSPO policy loss, the LR schedule.
 
@@ -11,10 +12,13 @@ from __future__ import annotations
 
 from services.trainer.advantages import (
     compute_advantages,
+    compute_turn_advantages,
     distill_advantages,
     group_advantages,
     kl_penalised_rewards,
     rloo_advantages,
+    spread_turn_advantages,
+    turn_advantages,
     zero_variance_groups,
 )
 from services.trainer.losses import (
@@ -36,6 +40,7 @@ __all__ = [
     "LossConfig",
     "aggregate",
     "compute_advantages",
+    "compute_turn_advantages",
     "distill_advantages",
     "group_advantages",
     "kl_k1",
@@ -48,7 +53,9 @@ __all__ = [
     "mismatch_weights",
     "policy_loss",
     "rloo_advantages",
+    "spread_turn_advantages",
     "token_logprobs",
     "token_logprobs_and_entropy",
+    "turn_advantages",
     "zero_variance_groups",
 ]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from services.trainer.advantages import compute_advantages, kl_penalised_rewards
+from services.trainer.advantages import compute_advantages, compute_turn_advantages, kl_penalised_rewards
 from services.trainer.batch import Batch, collate
 from services.trainer.losses import LossConfig, lr_lambda, policy_loss, token_logprobs_and_entropy
 from shared.job import JobSpec
@@ -141,14 +141,28 @@ class Learner:
                 rewards, b.sampler_logp, b.ref_logp, b.mask, kl_coef=spec.kl_coef, estimator=a.kl_estimator
             )
             extra["kl_reward"] = float(kl_r)
-        adv = compute_advantages(
-            a.advantage,
-            rewards,
-            sampler_logp=b.sampler_logp,
-            ref_logp=b.ref_logp,
-            mask=b.mask,
-            reward_weight=a.distill_reward_weight,
-        )
+        if a.advantage_level == "turn":
+            # Per-token [N, T], like distill's: the loss and the row slicing below take it as is.
+            adv = compute_turn_advantages(
+                a.advantage,
+                rewards,
+                b.turn_starts,
+                b.turn_rewards,
+                offsets=b.offsets,
+                lengths=b.lengths,
+                mask=b.mask,
+            )
+        else:
+            adv = compute_advantages(
+                a.advantage,
+                rewards,
+                sampler_logp=b.sampler_logp,
+                ref_logp=b.ref_logp,
+                mask=b.mask,
+                reward_weight=a.distill_reward_weight,
+            )
+        if (turns := b.turns_mean) is not None:
+            extra["turns_mean"] = turns  # multi-turn batches only: single-turn metrics stay as they were
 
         mbs = split_groups(len(groups), a.minibatches)
         local = [[r for gi in mb[self.rank :: self.world] for r in range(gi * g_size, (gi + 1) * g_size)] for mb in mbs]
