@@ -16,11 +16,11 @@ away": the caller retries later. vLLM is imported lazily so the light paths neve
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Protocol
 
 from shared.openai_server import OpenAIServer
+from shared.vllm_cpu import prepare_cpu_engine_env
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class VllmScorer:
     mode = "vllm"
 
     def __init__(self, model: str, *, dtype: str = "auto", max_model_len: int = 0, seed: int = 0) -> None:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the CPU backend's default is 4
+        prepare_cpu_engine_env()  # no busy-spinning engine processes on a CPU box
         from vllm import LLM
 
         self.model = model

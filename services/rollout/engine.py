@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from shared.openai_server import OpenAIServer
+from shared.vllm_cpu import prepare_cpu_engine_env
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class InProcessEngine:
         full_reload: Literal["auto", "restart", "inplace"] = "auto",
         **llm_kwargs: object,
     ) -> None:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the CPU backend's default is 4
+        prepare_cpu_engine_env()  # no busy-spinning engine processes on a CPU box
         self.base_model = model
         self.model = model  # the folder whose weights are served now (a full-weight version's, or the base)
         self._llm_kwargs: dict[str, object] = dict(
