@@ -20,7 +20,7 @@ def main() -> None:
     def tick() -> None:
         rt.health.set("feeder", True)
         feeder.tick()
-        rt.stop.wait(settings.feed_interval_s)
+        feeder.wait(settings.feed_interval_s)  # wakes early when a job records progress
 
     while not rt.stop.is_set():
         rt.survive(tick)

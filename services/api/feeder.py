@@ -31,6 +31,7 @@ class Feeder:
         self.r = r
         self._iters: dict[str, tuple[int, Iterator[TaskItem]]] = {}
         self._trimmed_at: dict[str, float] = {}
+        self._cursors: dict[bytes, bytes] = {}  # metrics stream -> last id seen (for `wait`)
 
     def _items(self, rec: JobRecord, fed: int) -> Iterator[TaskItem]:
         pos, it = self._iters.get(rec.id, (-1, iter(())))
@@ -54,6 +55,27 @@ class Feeder:
                 log.exception("feeding job %s failed; other jobs carry on", job_id)
                 self._iters.pop(job_id, None)
         return total
+
+    def wait(self, timeout_s: float) -> None:
+        """Sleep until a running job records a metrics point, or `timeout_s`.
+
+        Room in a job's window opens when the trainer acknowledges a step, and the trainer
+        records its point right after that ack: waking on it refills the window at once
+        instead of up to one polling interval later. On a fast pipeline that interval was
+        a visible bubble per step (rollout waits for prompts while the trainer waits for
+        rollouts). Points of other stages wake it too; a tick is a few cheap reads.
+        """
+        streams = [keys.metrics(j.decode()).encode() for j in self.r.smembers(keys.active_jobs())]
+        if not streams:
+            time.sleep(timeout_s)
+            return
+        ids = {s: self._cursors.get(s, b"$") for s in streams}
+        got = self.r.xread(ids, count=100, block=max(1, int(timeout_s * 1000)))
+        for stream, entries in got or []:
+            self._cursors[stream] = entries[-1][0]
+        for s in list(self._cursors):
+            if s not in ids:  # jobs no longer active
+                del self._cursors[s]
 
     def _feed(self, job_id: str) -> int:
         rec = load_job(self.r, job_id)

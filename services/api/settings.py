@@ -11,4 +11,8 @@ class ApiSettings(CommonSettings):
 
     model_config = SettingsConfigDict(env_prefix="BURSTRL_API_", extra="ignore")
 
-    feed_interval_s: float = Field(0.2, gt=0, description="How often the feeder tops up prompts.")
+    feed_interval_s: float = Field(
+        0.2,
+        gt=0,
+        description="Longest wait between prompt top-ups (the feeder also wakes when a job records progress).",
+    )
