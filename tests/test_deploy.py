@@ -199,7 +199,7 @@ def launcher_command(role: str, tmp_path: Path) -> list[str]:
     """The exact argv the e2e test's Launcher.start_service spawns for a role."""
     launcher = Launcher(tmp_path / "run")
     seen: list[list[str]] = []
-    launcher._spawn = lambda name, cmd, env, port: seen.append(cmd)  # type: ignore[method-assign]
+    launcher._spawn = lambda name, cmd, env, port, cpus=None: seen.append(cmd)  # type: ignore[method-assign]
     launcher.start_service(role, {})
     return seen[0]
 

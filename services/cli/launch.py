@@ -69,10 +69,14 @@ class Launcher:
         procs[p.name] = p
         self._save(procs)
 
-    def _spawn(self, name: str, cmd: list[str], env: dict[str, str], port: int) -> Proc:
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str], port: int, cpus: set[int] | None = None) -> Proc:
         log = self.logs / f"{name}.log"
+        # Pinned before exec, so every thread and child process (vLLM's) inherits the set.
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         with open(log, "ab") as f:
-            popen = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            popen = subprocess.Popen(
+                cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=pin
+            )
         p = Proc(name, popen.pid, port, log)
         self._record(p)
         return p
@@ -114,10 +118,13 @@ class Launcher:
         return f"redis://127.0.0.1:{port}/0"
 
     # -- services ---------------------------------------------------------------------
-    def start_service(self, role: str, env: dict[str, str], *, name: str | None = None, port: int = 0) -> Proc:
+    def start_service(
+        self, role: str, env: dict[str, str], *, name: str | None = None, port: int = 0, cpus: set[int] | None = None
+    ) -> Proc:
+        """Start `python -m services.<role>`; `cpus` pins it (and its children) to those cores."""
         port = port or DEFAULT_PORTS[role]
         full = {**os.environ, **env, "BURSTRL_PORT": str(port), "PYTHONUNBUFFERED": "1"}
-        return self._spawn(name or role, [sys.executable, "-m", f"services.{role}"], full, port)
+        return self._spawn(name or role, [sys.executable, "-m", f"services.{role}"], full, port, cpus)
 
     def wait_ready(self, names: list[str], timeout: float = 300.0, on_wait=None) -> None:  # noqa: ANN001
         procs = self.procs()
