@@ -45,22 +45,33 @@ class Health:
     """Named readiness checks, updated by the worker, read by /readyz and the heartbeat."""
 
     def __init__(self) -> None:
-        self._checks: dict[str, tuple[bool, str]] = {}
+        self._checks: dict[str, tuple[bool, str, str]] = {}  # name -> (ok, reason, scope)
         self._lock = threading.Lock()
 
-    def set(self, name: str, ok: bool, reason: str = "") -> None:
+    def set(self, name: str, ok: bool, reason: str = "", *, scope: str = "service") -> None:
+        """`scope="job"`: a problem of one job (say, a refused policy version), shown in the
+        checks and as `degraded`, but not a reason to call the whole service unready: its
+        other jobs are served, and an orchestrator restarting it would fix nothing."""
         with self._lock:
             prev = self._checks.get(name)
-            self._checks[name] = (ok, reason)
+            self._checks[name] = (ok, reason, scope)
         if prev is None or prev[0] != ok:
             (log.info if ok else log.warning)(
-                "%s: %s%s", name, "ok" if ok else "NOT ready", f" ({reason})" if reason else ""
+                "%s: %s%s",
+                name,
+                "ok" if ok else ("NOT ready" if scope == "service" else "degraded"),
+                f" ({reason})" if reason else "",
             )
 
     def snapshot(self) -> tuple[bool, dict[str, dict[str, Any]]]:
+        """(ready, checks): ready when every service-scoped check is ok."""
         with self._lock:
-            checks = {k: {"ok": ok, "reason": r} for k, (ok, r) in self._checks.items()}
-        return all(c["ok"] for c in checks.values()) and bool(checks), checks
+            checks = {k: {"ok": ok, "reason": r, "scope": sc} for k, (ok, r, sc) in self._checks.items()}
+        return all(c["ok"] for c in checks.values() if c["scope"] == "service") and bool(checks), checks
+
+    def degraded(self) -> bool:
+        with self._lock:
+            return any(not ok for ok, _, _ in self._checks.values())
 
 
 def bearer_auth(settings: CommonSettings) -> Callable[..., None]:
@@ -108,7 +119,8 @@ class ServiceRuntime:
         @app.get("/readyz", tags=["health"])
         def readyz() -> JSONResponse:
             ok, checks = self.health.snapshot()
-            return JSONResponse({"ready": ok, "role": self.role, "checks": checks}, status_code=200 if ok else 503)
+            body = {"ready": ok, "degraded": not all(c["ok"] for c in checks.values()), "role": self.role}
+            return JSONResponse({**body, "checks": checks}, status_code=200 if ok else 503)
 
         @app.get("/metrics", tags=["health"])
         def metrics() -> Response:

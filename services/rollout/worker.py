@@ -262,7 +262,7 @@ class RolloutWorker:
             for x in [view.current, *view.retiring]:
                 self._drop(x)
             if gone not in self.refused:
-                self.rt.health.set(f"policy:{gone}", True, "job no longer served")
+                self.rt.health.set(f"policy:{gone}", True, "job no longer served", scope="job")
             for metric in (self.m_version, self.m_adapters, self.m_adopt_last):
                 try:
                     metric.remove(gone)
@@ -279,7 +279,7 @@ class RolloutWorker:
             self.adopt_latest(view)
         for job_id in set(self.refused) - set(recs):  # refused jobs that ended: forget them
             self.refused.pop(job_id)
-            self.rt.health.set(f"policy:{job_id}", True, "job no longer served")
+            self.rt.health.set(f"policy:{job_id}", True, "job no longer served", scope="job")
             try:
                 self.m_job_refused.remove(job_id)
             except KeyError:
@@ -526,7 +526,7 @@ class RolloutWorker:
             return
         self.refused[job_id] = reason
         self.m_job_refused.labels(job_id).set(1)
-        self.rt.health.set(f"policy:{job_id}", False, reason)
+        self.rt.health.set(f"policy:{job_id}", False, reason, scope="job")
         self._set_job_error(job_id, JOB_ERROR_PREFIX + reason)
         log.error("job %s: %s", job_id, reason)
 
@@ -536,7 +536,7 @@ class RolloutWorker:
         if self.refused.pop(job_id, None) is None:
             return
         self.m_job_refused.labels(job_id).set(0)
-        self.rt.health.set(f"policy:{job_id}", True)
+        self.rt.health.set(f"policy:{job_id}", True, scope="job")
         self._set_job_error(job_id, "")
         log.info("job %s: served by this rollout pool again", job_id)
 
@@ -545,7 +545,7 @@ class RolloutWorker:
         adopt_s = time.time() - manifest.created_at
         self.m_adopt.observe(adopt_s)
         self.m_adopt_last.labels(job_id).set(adopt_s)
-        self.rt.health.set(f"policy:{job_id}", True)
+        self.rt.health.set(f"policy:{job_id}", True, scope="job")
         try:  # the switch is done; a Redis outage must not undo it, only lose this report
             self._set_job_error(job_id, "")
             record_point(
@@ -583,7 +583,7 @@ class RolloutWorker:
         view.failed[v] = reason
         self.m_verify_fail.labels(job_id, kind).inc()
         msg = f"policy v{v} refused ({kind}): {reason}; still serving v{view.version}"
-        self.rt.health.set(f"policy:{job_id}", False, msg)
+        self.rt.health.set(f"policy:{job_id}", False, msg, scope="job")
         record_point(
             self.rt.redis,
             job_id,

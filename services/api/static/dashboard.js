@@ -83,7 +83,12 @@ function renderServices(services) {
         el("td", {}, s.role),
         el("td", {}, s.replica),
         el("td", {}, (s.host || "") + ":" + (s.port || "")),
-        el("td", { class: s.ready ? "ok" : "bad" }, s.ready ? "ready" : "not ready"),
+        // Ready with reasons: a job-scoped problem (say, a refused policy version); the service serves.
+        el(
+          "td",
+          { class: s.ready ? (Object.keys(s.reasons || {}).length ? "warn" : "ok") : "bad" },
+          s.ready ? (Object.keys(s.reasons || {}).length ? "degraded" : "ready") : "not ready",
+        ),
         el("td", {}, s.age_s),
         el("td", {}, versions),
         el("td", {}, reasons),
