@@ -75,11 +75,12 @@ def groups(obs_lp: float = 0.0) -> list[GroupMsg]:
     ]
 
 
-def grads_and_loss(
+def grads_and_stats(
     spec: JobSpec, gs: list[GroupMsg], noise_at: torch.Tensor | None
-) -> tuple[list, float, torch.Tensor]:
+) -> tuple[list, dict, torch.Tensor]:
     """One Learner batch; returns parameter grads (captured before the optimizer step),
-    the loss, and d loss / d logits."""
+    the step's stats (with its loss), and d loss / d logits. `noise_at` [N, T] adds noise
+    to the logits where it is 1 (to show positions that must not matter do not)."""
     model = tiny_model()
     learner = Learner(model, spec, pad_id=0, grad_clip=1e9)
     captured: dict = {}
@@ -95,7 +96,14 @@ def grads_and_loss(
     model.lm_head.register_forward_hook(hook)
     learner.opt.step = lambda *a, **k: captured.setdefault("grads", [p.grad.clone() for p in learner.params])  # type: ignore[method-assign]
     res = learner.train_batch(gs)
-    return captured["grads"], res.stats["loss"], captured["logits"].grad
+    return captured["grads"], res.stats, captured["logits"].grad
+
+
+def grads_and_loss(
+    spec: JobSpec, gs: list[GroupMsg], noise_at: torch.Tensor | None
+) -> tuple[list, float, torch.Tensor]:
+    grads, stats, dlogits = grads_and_stats(spec, gs, noise_at)
+    return grads, stats["loss"], dlogits
 
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])

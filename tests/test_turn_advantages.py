@@ -26,10 +26,10 @@ from services.trainer.advantages import (
     turn_advantages,
 )
 from services.trainer.batch import collate
-from services.trainer.learner import Learner
 from shared.envs import StepResult, make_env, register_env
 from shared.job import JobSpec
 from shared.schema import Completion, GroupMsg, decode, encode, pack_f32, pack_i32, pack_u8, unpack_i32
+from tests.test_multiturn import grads_and_stats
 
 KINDS = ["grpo", "dr_grpo", "rloo"]
 
@@ -231,27 +231,6 @@ def turn_spec(level: str = "turn", **algorithm: object) -> JobSpec:
     )
 
 
-def grads_and_loss(spec: JobSpec, gs: list[GroupMsg], noise_at: torch.Tensor | None) -> tuple[list, dict, torch.Tensor]:
-    """One Learner batch; parameter grads (captured before the optimizer step), stats, and
-    d loss / d logits (as tests/test_multiturn.py does it for episode level)."""
-    model = tiny_model()
-    learner = Learner(model, spec, pad_id=0, grad_clip=1e9)
-    captured: dict = {}
-
-    def hook(_mod, _inp, out: torch.Tensor) -> torch.Tensor:
-        if noise_at is not None:
-            noise = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)) * 5.0
-            out = out + noise * noise_at[:, : out.shape[1], None]
-        out.retain_grad()
-        captured["logits"] = out
-        return out
-
-    model.lm_head.register_forward_hook(hook)
-    learner.opt.step = lambda *a, **k: captured.setdefault("grads", [p.grad.clone() for p in learner.params])  # type: ignore[method-assign]
-    res = learner.train_batch(gs)
-    return captured["grads"], res.stats, captured["logits"].grad
-
-
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum-norm"])
 def test_observation_tokens_carry_no_gradient_with_turn_advantages(aggregation: str) -> None:
     spec = turn_spec(aggregation=aggregation)
@@ -267,8 +246,8 @@ def test_observation_tokens_carry_no_gradient_with_turn_advantages(aggregation: 
     n, length = b.input_ids.shape
     untrained = torch.ones(n, length)
     untrained[:, : length - 1] = 1.0 - b.mask
-    g0, st0, dlogits = grads_and_loss(spec, gs, None)
-    g1, st1, _ = grads_and_loss(spec, gs, untrained)
+    g0, st0, dlogits = grads_and_stats(spec, gs, None)
+    g1, st1, _ = grads_and_stats(spec, gs, untrained)
     assert st0["loss"] == st1["loss"]
     assert all(torch.equal(a, c) for a, c in zip(g0, g1, strict=True))
     assert torch.count_nonzero(dlogits[untrained.bool()]) == 0
@@ -279,7 +258,7 @@ def test_observation_tokens_carry_no_gradient_with_turn_advantages(aggregation: 
     trained = torch.zeros(n, length)
     i, j = (b.mask == 1).nonzero()[0].tolist()
     trained[i, j] = 1.0
-    g2, st2, _ = grads_and_loss(spec, gs, trained)
+    g2, st2, _ = grads_and_stats(spec, gs, trained)
     assert st2["loss"] != st0["loss"] or not all(torch.equal(a, c) for a, c in zip(g0, g2, strict=True))
 
 
@@ -287,8 +266,8 @@ def test_turn_level_without_step_rewards_is_the_episode_level_step() -> None:
     """Same turns everywhere, no step rewards: the turn level trains exactly as the episode
     level does (same advantages per token, so the same loss and gradients)."""
     gs = groups(step_rewards=False)
-    g_turn, st_turn, _ = grads_and_loss(turn_spec("turn"), gs, None)
-    g_ep, st_ep, _ = grads_and_loss(turn_spec("episode"), gs, None)
+    g_turn, st_turn, _ = grads_and_stats(turn_spec("turn"), gs, None)
+    g_ep, st_ep, _ = grads_and_stats(turn_spec("episode"), gs, None)
     assert st_turn["loss"] == st_ep["loss"]
     assert all(torch.equal(a, c) for a, c in zip(g_turn, g_ep, strict=True))
 

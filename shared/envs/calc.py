@@ -25,7 +25,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from shared.envs.base import EnvError, StepResult, register_env
+from shared.envs.base import EnvError, StepResult, ToolEnv, register_env
 from shared.tasks.base import TaskItem, register_task
 
 MAX_EXPR_CHARS = 64
@@ -81,57 +81,31 @@ def calc(expr: str) -> int | float:
     return round(v, 6) if isinstance(v, float) else v
 
 
-class CalcEnv:
-    """Tool calls `<calc>EXPR</calc>`; a turn without one is the answer.
-
-    `tool_error_penalty` > 0 puts the reward part {"tool_error": -penalty} on each turn whose
-    tool call failed (a bad expression, or a call beyond max_calls): a step reward that
-    per-turn advantages (algorithm.advantage_level = "turn") credit to that very turn.
-    0 (the default) pays nothing per step; only the verifier's score on the answer counts.
-    """
+class CalcEnv(ToolEnv):
+    """Tool calls `<calc>EXPR</calc>`, answered `=VALUE` (or `=error`); see ToolEnv for the
+    episode rules (final answer, submit_last_result, max_calls, tool_error_penalty)."""
 
     name = "calc"
 
     def __init__(
         self, tag: str = "calc", max_calls: int = 3, submit_last_result: bool = True, tool_error_penalty: float = 0.0
     ) -> None:
-        if not re.fullmatch(r"[a-z_]{1,16}", tag):
-            raise ValueError("tag must be 1-16 lowercase letters")
-        if not isinstance(tool_error_penalty, int | float) or not 0.0 <= tool_error_penalty <= 100.0:
-            # EnvError, which make_env's callers report as the job's misconfiguration.
-            raise EnvError(f"calc: tool_error_penalty must be a number in [0, 100], got {tool_error_penalty!r}")
-        self.open, self.close = f"<{tag}>", f"</{tag}>"
-        self.stop = (self.close,)
-        self._call = re.compile(re.escape(self.open) + r"(.*?)" + re.escape(self.close), re.DOTALL)
-        self.max_calls = max_calls
-        self.submit_last_result = submit_last_result
-        self.tool_error_penalty = float(tool_error_penalty)
-        self.calls = 0
-        self.last: str | None = None  # the last successful tool result
+        if not isinstance(tag, str) or not re.fullmatch(r"[a-z_]{1,16}", tag):
+            raise EnvError("calc: tag must be 1-16 lowercase letters or underscores")
+        super().__init__(
+            f"<{tag}>",
+            f"</{tag}>",
+            max_calls=max_calls,
+            submit_last_result=submit_last_result,
+            tool_error_penalty=tool_error_penalty,
+        )
 
-    def reset(self, prompt: str, fields: dict[str, str]) -> str:
-        self.calls, self.last = 0, None
-        return prompt
-
-    def step(self, text: str) -> StepResult:
-        m = self._call.search(text)
-        if m is None:
-            if self.submit_last_result and not text.strip() and self.last is not None:
-                return StepResult(done=True, answer=self.last)
-            return StepResult(done=True, answer=text)
-        self.calls += 1
-        if self.calls > self.max_calls:
-            # Ends the episode unanswered: a policy must not loop on the tool.
-            return StepResult(done=True, answer="", tool_call=True, tool_error=True, reward_parts=self._penalty())
+    def call(self, arg: str) -> StepResult:
         try:
-            self.last = str(calc(m.group(1)))
-            return StepResult(observation=f"={self.last}\n", tool_call=True)
+            value = str(calc(arg))
         except CalcError:
-            return StepResult(observation="=error\n", tool_call=True, tool_error=True, reward_parts=self._penalty())
-
-    def _penalty(self) -> dict[str, float]:
-        # No part at all when off: the episode's parts (and the reward metrics) stay as before.
-        return {"tool_error": -self.tool_error_penalty} if self.tool_error_penalty > 0.0 else {}
+            return self.failed("=error\n")
+        return self.result(value, f"={value}\n")
 
 
 register_env("calc", CalcEnv)

@@ -16,8 +16,8 @@ in the calculator environment (shared/envs/calc.py).
 Where the code runs is the rollout service's own setting, never a job's: with
 BURSTRL_TOOLS_SANDBOX_URL set, on the reward service (POST /v1/sandbox/run, which
 already hosts the sandbox and its isolation); empty, in this process's own sandbox
-(single-box development). A job's env args reach only `max_calls` and
-`submit_last_result`, so a job cannot point the tool at another host.
+(single-box development). A job's env args reach only `max_calls`,
+`submit_last_result` and `tool_error_penalty`, so a job cannot point the tool at another host.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import httpx
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.envs.base import StepResult, register_env
+from shared.envs.base import StepResult, ToolEnv, register_env
 from shared.envs.calc import Arith3Task
 from shared.sandbox import Limits, ProgramResult, SandboxUnavailable, run_program
 from shared.tasks.base import TaskItem, register_task
@@ -149,38 +149,32 @@ def _clip(text: str) -> str:
     return text if len(text) <= MAX_OBSERVATION_CHARS else text[:MAX_OBSERVATION_CHARS] + "..."
 
 
-class PythonEnv:
-    """Tool calls `<python>CODE</python>`; a turn without one is the answer."""
+class PythonEnv(ToolEnv):
+    """Tool calls `<python>CODE</python>`, answered `<output>stdout</output>`; see ToolEnv for
+    the episode rules (final answer, submit_last_result, max_calls, tool_error_penalty)."""
 
     name = "python"
-    stop = ("</python>",)
-    _call = re.compile(r"<python>(.*?)</python>", re.DOTALL)
 
     def __init__(
-        self, max_calls: int = 3, submit_last_result: bool = True, *, tools: ToolSettings | None = None
+        self,
+        max_calls: int = 3,
+        submit_last_result: bool = True,
+        tool_error_penalty: float = 0.0,
+        *,
+        tools: ToolSettings | None = None,
     ) -> None:
-        self.max_calls = max_calls
-        self.submit_last_result = submit_last_result
+        super().__init__(
+            "<python>",
+            "</python>",
+            max_calls=max_calls,
+            submit_last_result=submit_last_result,
+            tool_error_penalty=tool_error_penalty,
+        )
         self.tools = tools
-        self.calls = 0
-        self.last: str | None = None  # what the last successful run printed (as observed)
 
-    def reset(self, prompt: str, fields: dict[str, str]) -> str:
-        self.calls, self.last = 0, None
-        return prompt
-
-    def step(self, text: str) -> StepResult:
-        m = self._call.search(text)
-        if m is None:
-            if self.submit_last_result and not text.strip() and self.last is not None:
-                return StepResult(done=True, answer=self.last)
-            return StepResult(done=True, answer=text)
-        self.calls += 1
-        if self.calls > self.max_calls:
-            # Ends the episode unanswered: a policy must not loop on the tool.
-            return StepResult(done=True, answer="", tool_call=True, tool_error=True)
+    def call(self, arg: str) -> StepResult:
         # Models often indent or pad the block; a program starts at column 0.
-        code = textwrap.dedent(m.group(1)).strip()
+        code = textwrap.dedent(arg).strip()
         if len(code) > MAX_CODE_CHARS:
             return self._error("code too long")
         try:
@@ -192,17 +186,16 @@ class PythonEnv:
             return self._error(UNAVAILABLE)
         if res.reason != "ok":
             return self._error(_error_kind(res))
-        self.last = _clip(res.stdout)
-        return StepResult(observation=f"<output>{self.last}</output>\n", tool_call=True)
+        out = _clip(res.stdout)
+        return self.result(out, f"<output>{out}</output>\n")
 
-    @staticmethod
-    def _error(kind: str) -> StepResult:
-        return StepResult(observation=f"<output>error: {kind}</output>\n", tool_call=True, tool_error=True)
+    def _error(self, kind: str) -> StepResult:
+        return self.failed(f"<output>error: {kind}</output>\n")
 
 
-def _from_job(max_calls: int = 3, submit_last_result: bool = True) -> PythonEnv:
+def _from_job(max_calls: int = 3, submit_last_result: bool = True, tool_error_penalty: float = 0.0) -> PythonEnv:
     """The registered factory: a job's env args reach only these (never the tool's URL or key)."""
-    return PythonEnv(max_calls=max_calls, submit_last_result=submit_last_result)
+    return PythonEnv(max_calls=max_calls, submit_last_result=submit_last_result, tool_error_penalty=tool_error_penalty)
 
 
 register_env("python", _from_job)
