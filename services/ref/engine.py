@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from shared.openai_server import OpenAIServer
-from shared.vllm_cpu import prepare_cpu_engine_env
+from shared.vllm_setup import prepare_cpu_engine_env, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +162,7 @@ class VllmScorer:
             self.llm = LLM(model=model, dtype=dtype, seed=seed, enforce_eager=True, **kwargs)
         except Exception as e:  # unknown path, bad config: the service reports it in /readyz
             raise EngineError(f"cannot start vLLM for {model!r}: {type(e).__name__}: {e}") from e
+        warm_up(self.llm)
         mc = self.llm.llm_engine.model_config
         self.dtype = str(mc.dtype).removeprefix("torch.")
         # One token is generated after the prompt (vLLM needs max_tokens >= 1 in-process).

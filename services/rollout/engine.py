@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from shared.openai_server import OpenAIServer
-from shared.vllm_cpu import prepare_cpu_engine_env
+from shared.vllm_setup import prepare_cpu_engine_env, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -168,9 +168,11 @@ class InProcessEngine:
         from vllm import LLM
 
         try:
-            return LLM(model=model, **self._llm_kwargs)
+            llm = LLM(model=model, **self._llm_kwargs)
         except Exception as e:  # unknown path, bad config: the caller reports it in /readyz
             raise EngineError(f"cannot start vLLM for {model!r}: {type(e).__name__}: {e}") from e
+        warm_up(llm)
+        return llm
 
     def load_full(self, path: str | None) -> None:
         target = path or self.base_model
