@@ -8,13 +8,15 @@ and stops everything it started (also on Ctrl-C or error).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 from rich.console import Console
 
 from services.cli.follow import follow_job, print_summary
-from services.cli.model import ensure_calc_model, ensure_tiny_model
+from services.cli.model import ensure_calc_model, ensure_python_model, ensure_tiny_model
 from services.cli.stack import start_stack
 
 DEMO_JOB = {
@@ -49,28 +51,56 @@ DEMO_CALC_JOB = {
     "env": {"name": "calc", "max_turns": 3, "max_tokens": 64},
 }
 
+# The Python-tool variant (`env="python"`, examples/demo_python.toml): the same sums, but the
+# tool is a program, `<python>print(a+b)</python>`, run in the reward service's code sandbox
+# (POST /v1/sandbox/run), whose stdout comes back as `<output>s</output>`.
+DEMO_PYTHON_JOB = {
+    **DEMO_CALC_JOB,
+    "name": "demo-python",
+    "task": "arith3py",
+    # `<python>print(123+456)</python>` is 31 byte tokens (the calc call is 20).
+    "sampling": {"temperature": 1.0, "max_tokens": 40},
+    "env": {
+        "name": "python",
+        "max_turns": 3,
+        # a call (31) and its output (`<output>1458</output>` and a newline, 22) twice, then the answer
+        "max_tokens": 128,
+        "max_seconds": 120,
+        # One step is a sandbox run on the reward service: ~30 ms plus HTTP, but a group's calls
+        # queue for its few tool slots, and a run may take BURSTRL_TOOLS_TIMEOUT_S (3 s) plus the
+        # client's 2 s of slack; a step deadline below that would cut off a working tool.
+        "step_timeout_s": 15,
+    },
+}
+
+# What each `burstrl demo --env` runs: its job, its model's builder and folder (built once, cached
+# under home/models) and its plot's file name.
+DEMOS: dict[str, tuple[dict[str, Any], Callable[..., Path], str, str]] = {
+    "": (DEMO_JOB, ensure_tiny_model, "tiny-sft", "demo.png"),
+    "calc": (DEMO_CALC_JOB, ensure_calc_model, "tiny-calc", "demo-calc.png"),
+    "python": (DEMO_PYTHON_JOB, ensure_python_model, "tiny-python", "demo-python.png"),
+}
+
 
 def run_demo(home: Path, *, steps: int, keep_running: bool, console: Console, env: str = "") -> int:
-    """The GRPO demo; env="calc" runs the tool-use variant (its own SFT'd tiny model)."""
-    if env not in ("", "calc"):
-        raise ValueError(f"no demo for environment {env!r} (try 'calc')")
+    """The GRPO demo; env="calc" or "python" runs a tool-use variant (each its own SFT'd tiny model)."""
+    if env not in DEMOS:
+        raise ValueError(f"no demo for environment {env!r} (try 'calc' or 'python')")
+    job, ensure, model_name, png_name = DEMOS[env]
     t0 = time.time()
-    if env == "calc":
-        model = ensure_calc_model(home / "models" / "tiny-calc", log=console.print)
-    else:
-        model = ensure_tiny_model(home / "models" / "tiny-sft", log=console.print)
+    model = ensure(home / "models" / model_name, log=console.print)
     console.print(f"[dim]model ready in {time.time() - t0:.0f}s[/]")
     launcher = None
     try:
         launcher = start_stack(home, str(model), ["api", "reward", "ref", "rollout", "trainer"], log=console.print)
         api = "http://127.0.0.1:8700"
-        spec = {**(DEMO_CALC_JOB if env == "calc" else DEMO_JOB), "steps": steps, "base_model": str(model)}
+        spec = {**job, "steps": steps, "base_model": str(model)}
         job_id = httpx.post(f"{api}/v1/jobs", json=spec, timeout=30).raise_for_status().json()["id"]
         console.print(f"submitted job [bold]{job_id}[/]")
         status = follow_job(api, job_id, {}, console)
         print_summary(status, console)
         evals = status["evals"]
-        png = plot(status, home / ("demo-calc.png" if env == "calc" else "demo.png"))
+        png = plot(status, home / png_name)
         console.print(f"plot: {png}")
         if len(evals) >= 2:
             first, last = evals[0], evals[-1]

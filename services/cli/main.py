@@ -201,7 +201,11 @@ def jobs(api: str | None = None) -> None:
 def demo(
     steps: int = 40,
     keep_running: bool = False,
-    env: str = typer.Option("", help="'calc': the tool-use variant (3-digit sums, a calculator tool)."),
+    env: str = typer.Option(
+        "",
+        help="A tool-use variant on 3-digit sums: 'calc' (a calculator tool) or 'python' (Python code run "
+        "in the reward service's sandbox).",
+    ),
 ) -> None:
     """The main job end to end: tiny model, all services, a real GRPO run, a table and a plot."""
     from services.cli.demo import run_demo

@@ -63,8 +63,24 @@ CALC_RECIPE = "arith3-calc40-submit-masked-sft1000x64-v4"
 
 
 def ensure_calc_model(out: Path, *, force: bool = False, log: Callable[[str], None] = print) -> Path:
+    return _ensure_tool_model(out, "arith3", CALC_RECIPE, force=force, log=log)
+
+
+# The Python-tool demo's model: the same recipe on "arith3py", whose tool-call demonstrations
+# are `<python>print(a+b)</python>`, the sandbox's `<output>s</output>` (masked), then an empty
+# turn that submits it. RL through the "python" environment should teach it to run the code.
+PYTHON_RECIPE = "arith3py-python40-submit-masked-sft1000x64-v1"
+
+
+def ensure_python_model(out: Path, *, force: bool = False, log: Callable[[str], None] = print) -> Path:
+    return _ensure_tool_model(out, "arith3py", PYTHON_RECIPE, force=force, log=log)
+
+
+def _ensure_tool_model(
+    out: Path, task: str, recipe: str, *, force: bool = False, log: Callable[[str], None] = print
+) -> Path:
     out = out.resolve()
-    if (out / DONE).exists() and not force and json.loads((out / DONE).read_text()).get("recipe") == CALC_RECIPE:
+    if (out / DONE).exists() and not force and json.loads((out / DONE).read_text()).get("recipe") == recipe:
         return out
     from services.trainer.tiny_model import build_model
 
@@ -73,16 +89,22 @@ def ensure_calc_model(out: Path, *, force: bool = False, log: Callable[[str], No
     shutil.rmtree(out, ignore_errors=True)
     log(f"building the tool-use tiny model in {base}")
     build_model(base)
-    log("SFT warm-start on tool-call demonstrations (a minute or two on 2 cores)")
-    _sft_calc(base, out)
-    (out / DONE).write_text(json.dumps({"base": str(base), "recipe": CALC_RECIPE}))
+    log(f"SFT warm-start on {task!r} tool-call demonstrations (a minute or two on 2 cores)")
+    _sft_tool_use(base, out, task=task)
+    (out / DONE).write_text(json.dumps({"base": str(base), "recipe": recipe}))
     return out
 
 
-def _sft_calc(
+# Where each tool-use task's demonstration ends the model's call (its environment's stop
+# string): what follows is the tool's answer, masked out of the loss (the model reads it).
+TOOL_CALL_ENDS = {"arith3": "</calc>", "arith3py": "</python>"}
+
+
+def _sft_tool_use(
     model_dir: Path,
     out_dir: Path,
     *,
+    task: str = "arith3",
     # 1000 steps: at 400 the model had not yet learned to copy the operands into the call.
     steps: int = 1000,
     batch_size: int = 64,
@@ -90,7 +112,11 @@ def _sft_calc(
     tool_fraction: float = 0.4,
     seed: int = 0,
 ) -> None:
-    """A plain masked SFT loop (TRL's completion-only loss cannot mask the tool's output)."""
+    """A plain masked SFT loop (TRL's completion-only loss cannot mask the tool's output).
+
+    The demonstrations are the task's own (`demonstration(item, rng, tool_fraction)`): a tool
+    call, the tool's output, then an empty turn (EOS) that submits it; or a direct answer.
+    """
     import itertools
     import math
     import random
@@ -98,25 +124,32 @@ def _sft_calc(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import shared.envs  # noqa: F401  (registers the "arith3" task)
-    from shared.tasks import get_task
+    from shared.envs.calc import Arith3Task
+    from shared.envs.python_tool import Arith3PyTask
+    from shared.tasks.base import TaskItem
 
+    # The concrete classes, not the registry: `demonstration` is theirs, not the Task protocol's.
+    the_task: Arith3Task = {"arith3": Arith3Task, "arith3py": Arith3PyTask}[task]()
+    call_end = TOOL_CALL_ENDS[task]
     torch.manual_seed(seed)
     # One thread: on a busy 2-core box, two OpenMP threads spin against each other (8x slower).
     torch.set_num_threads(1)
     rng = random.Random(seed)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    items = itertools.islice(get_task("arith3").train_items(seed), steps * batch_size)
+    items = itertools.islice(the_task.train_items(seed), steps * batch_size)
 
-    def example(prompt: str, answer: str) -> tuple[list[int], list[int]]:
-        a, b = prompt.removesuffix("=").split("+")
-        segs = [(prompt, False)]  # (text, trained on)
-        if rng.random() < tool_fraction:
+    def example(item: TaskItem) -> tuple[list[int], list[int]]:
+        # One rng draw per item, as before the generalisation: the calc model's data (and so
+        # its weights, and CALC_RECIPE's cache) are unchanged.
+        demo = the_task.demonstration(item, rng, tool_fraction)
+        segs = [(item.prompt, False)]  # (text, trained on)
+        if call_end in demo:
             # call, the tool's output (masked), then an empty turn: submit the tool's result
-            segs += [(f"<calc>{a}+{b}</calc>", True), (f"={answer}\n", False), (tok.eos_token, True)]
+            call, output = demo.split(call_end, 1)
+            segs += [(call + call_end, True), (output, False), (tok.eos_token, True)]
         else:
-            segs += [(answer + tok.eos_token, True)]
+            segs += [(demo + tok.eos_token, True)]
         ids, labels = [], []
         for text, trained in segs:
             t = tok(text, add_special_tokens=False)["input_ids"]
@@ -131,7 +164,7 @@ def _sft_calc(
     )
     model.train()
     for step in range(steps):
-        batch = [example(it.prompt, it.fields["answer"]) for it in itertools.islice(items, batch_size)]
+        batch = [example(it) for it in itertools.islice(items, batch_size)]
         width = max(len(x) for x, _ in batch)
         ids = torch.tensor([x + [tok.pad_token_id] * (width - len(x)) for x, _ in batch])
         labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in batch])
@@ -143,7 +176,7 @@ def _sft_calc(
         sched.step()
         opt.zero_grad(set_to_none=True)
         if step % 50 == 0 or step == steps - 1:
-            print(f"calc SFT step {step}/{steps} loss {loss.item():.3f}", flush=True)
+            print(f"{task} tool-use SFT step {step}/{steps} loss {loss.item():.3f}", flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tok.save_pretrained(out_dir)
