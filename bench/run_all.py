@@ -132,9 +132,20 @@ def summary(b: Path, cmds: dict[str, str]) -> list[str]:
         return json.loads(f.read_text()) if f.exists() else None
 
     if "pipeline" in cmds and (d := load("pipeline.json")):
-        rows.append(
-            ("pipeline efficiency (end-to-end / slowest stage alone)", f"{d['ratio']:.2f}", ">= 0.9", "pipeline")
-        )
+        for name, r in d.get("layouts", {}).items():
+            if r["layout"] == "split":
+                what = f"/ slowest stage alone ({r['slowest']}); / slowest side alone ({r['slowest_side']})"
+                value = f"{r['ratio']:.2f}; {r['ratio_side']:.2f}"
+            else:
+                what, value = f"/ slowest stage alone ({r['slowest']})", f"{r['ratio']:.2f}"
+            rows.append(
+                (
+                    f"pipeline efficiency ({name.replace(',', ' cores,', 1)}): end-to-end {what}",
+                    value,
+                    ">= 0.9",
+                    "pipeline",
+                )
+            )
         rows.append(("Redis time / trainer step", f"{100 * d['bus_frac']:.2f}%", "small", "pipeline"))
     if "bus" in cmds and (b / "bus.md").exists():
         text = (b / "bus.md").read_text()
@@ -199,19 +210,7 @@ def plots(b: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     out = []
-    if (b / "pipeline.json").exists():
-        d = json.loads((b / "pipeline.json").read_text())
-        names = ["end-to-end"] + [f"{k} alone" for k in d["alone"][-1]]
-        vals = [sorted(d["end_to_end"])[len(d["end_to_end"]) // 2]]
-        vals += [sorted(x[k] for x in d["alone"])[len(d["alone"]) // 2] for k in d["alone"][-1]]
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        ax.bar(names, vals, color=["tab:red"] + ["tab:blue"] * (len(vals) - 1))
-        ax.set_yscale("log")  # stages alone span two orders of magnitude
-        ax.set_ylabel("groups/s (log)")
-        ax.set_title(f"pipeline: end-to-end vs each stage alone (efficiency {d['ratio']:.2f})")
-        fig.tight_layout()
-        fig.savefig(b / "pipeline.png", dpi=100)
-        plt.close(fig)
+    if (b / "pipeline.png").exists():  # bench/pipeline.py draws its own
         out.append("![pipeline](bench/pipeline.png)")
     if (b / "sync.json").exists():
         d = json.loads((b / "sync.json").read_text())

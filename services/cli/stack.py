@@ -13,6 +13,7 @@ from shared.settings import DEFAULT_PORTS
 
 def stack_env(home: Path, model: str, redis_url: str, store_url: str | None = None) -> dict[str, str]:
     home = home.resolve()
+    cores = len(os.sched_getaffinity(0))
     env = {
         "REDIS_URL": redis_url,
         "STORE_URL": store_url or os.environ.get("STORE_URL") or f"file://{home / 'store'}",
@@ -20,7 +21,14 @@ def stack_env(home: Path, model: str, redis_url: str, store_url: str | None = No
         "BURSTRL_ROLLOUT_MODEL": model,
         # The ref replica serves the base model unless told to serve a teacher (distillation).
         "BURSTRL_REF_MODEL": os.environ.get("BURSTRL_REF_MODEL", model),
-        "BURSTRL_TRAINER_THREADS": "1",  # 2-core laptops: leave a core to vLLM
+        # Every service shares this machine's cores, and idle OpenMP threads spin: a process
+        # with as many threads as cores steals them from the others. On 2 cores the demo
+        # pipeline ran 23 groups/s with rollout's torch at its default of 2 threads and 37
+        # with 1 (bench/pipeline.py --layouts shared). So each process's OpenMP pools get
+        # a share of the cores; trainer and ref set theirs, vLLM binds its own kernels.
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, cores // 2))),
+        "BURSTRL_TRAINER_THREADS": str(max(1, cores // 2)),
+        "BURSTRL_REF_THREADS": str(max(1, cores // 4)),
         "TOKENIZERS_PARALLELISM": "false",
         # vLLM's "auto" dtype runs an fp32 checkpoint in bf16 on CPU; in fp32 the sampler's
         # log-probs match the fp32 trainer's and the version probe can use a tight tolerance.

@@ -28,6 +28,11 @@ def main() -> None:
     from services.ref.engine import EngineError, build_scorer
     from services.ref.worker import RefWorker
 
+    if settings.threads:
+        import torch
+
+        torch.set_num_threads(settings.threads)
+
     scorer = None
     while scorer is None and not rt.stop.is_set():
         try:

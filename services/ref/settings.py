@@ -32,6 +32,12 @@ class RefSettings(CommonSettings):
     engine_concurrency: int = Field(8, ge=1, description="Remote mode: requests in flight at once.")
     engine_retry_s: float = Field(10.0, gt=0, description="Wait between attempts to start/reach the engine.")
     device: str = Field("cpu", description="hf engine: cpu or cuda.")
+    threads: int = Field(
+        0,
+        ge=0,
+        description="hf engine: torch CPU threads (0: torch's default, every core). Where other services share "
+        "the cores, give it its share: idle OpenMP threads spin and steal them.",
+    )
     dtype: str = Field(
         "auto",
         description="hf: auto = the trainer's choice (bf16 on cuda, fp32 on cpu); vllm: passed to vLLM "
