@@ -61,7 +61,7 @@ def items(full: bool, out: Path) -> list[tuple[str, list[str], Path | None]]:
     b = out  # docs/bench/
     s = {  # short / full settings
         "bus": ["--groups", "400" if full else "200", "--rounds", "21" if full else "15"],
-        "pipeline": ["--steps", "16" if full else "10", "--rounds", "2" if full else "1"],
+        "pipeline": ["--steps", "16" if full else "10", "--rounds", "3" if full else "2"],
         "staleness": ["--steps", "30" if full else "16", "--rounds", "1"],
         "scaling": ["--steps", "12" if full else "8", "--rounds", "2" if full else "1"],
         "sync": ["--modes", "inprocess,remote", "--versions", "12" if full else "6"],
