@@ -284,7 +284,10 @@ class Chaos:
         # Trigger versions spread evenly over the job (in random order of faults), leaving the
         # last two steps clean: random ones clustered, and the job could finish first.
         span = max(1, self.steps - 2)
-        triggers = [i * span / len(faults) for i in range(len(faults))]
+        gap = span / len(faults)
+        # Where in its slot each fault lands is random (a version offset, not a sleep: a sleep
+        # lets a fast job run ahead past the faults still to come).
+        triggers = [i * gap + self.rng.uniform(0.0, 0.5 * gap) for i in range(len(faults))]
         for (kind, arg), trig in zip(faults, triggers, strict=True):
             if self.done():
                 self.faults.append({"fault": f"{kind} {arg or ''}".strip(), "skipped": "job already complete"})
@@ -292,7 +295,6 @@ class Chaos:
             if kind == "corrupt_adapter":  # it needs versions after it: the pointer must move onto it
                 trig = min(trig, max(0, self.steps - 4))
             self.wait(lambda t=trig: self.version() >= int(t) or self.done(), 900, f"version {int(trig)}")
-            time.sleep(self.rng.uniform(0.0, 1.5))
             if kind == "kill9":
                 self.kill9(arg)
             elif kind == "store":
@@ -403,7 +405,9 @@ def run_chaos(
         # A restarted trainer has a new replica id: it waits out the old one's lease.
         "BURSTRL_TRAINER_LEASE_S": "10",
     }
-    spec = {**DEMO_SHAPE, "name": "chaos", "steps": steps, "eval_size": 32}
+    # Batches of 32 (the demo's 8 x 4): each step is long enough that the job does not run
+    # ahead of the faults still to come while one fault is handled (a restart, a check).
+    spec = {**DEMO_SHAPE, "name": "chaos", "steps": steps, "batch_size": 32, "eval_size": 32}
     out: dict[str, Any] = {"steps": steps, "kills_per_service": kills, "outage_s": outage_s, "seed": seed}
     try:
         with tempfile.TemporaryDirectory(prefix="burstrl-chaos-") as tmp:
@@ -441,7 +445,7 @@ def report(res: dict[str, Any], cmd: str) -> str:
         "",
         f"`{cmd}`",
         "",
-        f"A {res['steps']}-step GRPO-LoRA job on the tiny model (G 16, batch 8, max_staleness 1) through the five "
+        f"A {res['steps']}-step GRPO-LoRA job on the tiny model (G 16, batch 32, max_staleness 1) through the five "
         "real services, S3 store (moto) behind a switchable proxy, redis-server with AOF everysec.",
         "",
         f"**Faults injected: {len(faults)}; survived: {sum(f['survived'] for f in faults)}. "
