@@ -163,22 +163,6 @@ LAYOUT = [(1, 4), (0, 3), (1, 2), (0, 2), (1, 3)]
 STARTS = [0, 7, 11]
 
 
-def tiny_model() -> torch.nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=40,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
-    return Qwen2ForCausalLM(cfg)
-
-
 def episode(seed: int, reward: float, steps: list[float], obs_lp: float = 0.0) -> Completion:
     g = torch.Generator().manual_seed(seed)
     ids, mask, lps, ref = [], [], [], []
