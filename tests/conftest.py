@@ -1,4 +1,5 @@
-"""Fixtures: real redis-server and S3 (moto) processes on free ports, the tiny model.
+"""Fixtures: real redis-server and S3 (moto) processes on free ports, the tiny model, and
+`service_stack` (a RedisServer plus the services as processes, for the end-to-end tests).
 
 Every process a fixture starts is stopped by its pid at the end.
 """
@@ -10,13 +11,16 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import redis
 
-from services.cli.launch import free_port, port_open, terminate
+from services.cli.launch import Launcher, free_port, port_open, terminate
+from services.cli.stack import stack_env
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_CACHE = Path(os.environ.get("BURSTRL_TEST_MODEL", ROOT / ".burstrl" / "models" / "tiny-sft"))
@@ -143,3 +147,55 @@ def wait_for(pred, timeout: float, what: str, launcher=None, poll_s: float = 0.5
         time.sleep(poll_s)
     logs = "\n".join(f"--- {n}\n{tail(p.log, 15)}" for n, p in launcher.procs().items()) if launcher else ""
     raise AssertionError(f"timed out waiting for {what}\n{logs}")
+
+
+@dataclass
+class ServiceStack:
+    """What `service_stack` started: the launcher of the services, their env and ports, and
+    the RedisServer (tests may kill and restart services or Redis through these)."""
+
+    launcher: Launcher
+    redis: RedisServer
+    env: dict[str, str]
+    ports: dict[str, int]
+    started_at: float  # time.time() just before the first service was started
+
+    def url(self, role: str) -> str:
+        return f"http://127.0.0.1:{self.ports[role]}"
+
+    @property
+    def api(self) -> str:
+        return self.url("api")
+
+
+@contextmanager
+def service_stack(
+    tmp_path: Path,
+    model: Path | str,
+    roles: Sequence[str],
+    *,
+    env_extra: Mapping[str, str] | None = None,
+    role_env: Mapping[str, Mapping[str, str]] | None = None,
+    store_url: str | None = None,
+    ready_timeout: float = 400,
+) -> Iterator[ServiceStack]:
+    """A RedisServer (data in tmp_path/redis-data) and `roles` as processes on free ports, with
+    `stack_env(tmp_path, model, redis, store_url)` plus `env_extra` (and `role_env[role]` for that
+    role only), ready within `ready_timeout` s. On exit the services are stopped, then Redis."""
+    (tmp_path / "redis-data").mkdir()
+    srv = RedisServer(tmp_path / "redis-data")
+    srv.start()
+    try:
+        launcher = Launcher(tmp_path / "run")
+        env = {**stack_env(tmp_path, str(model), srv.url, store_url=store_url), **(env_extra or {})}
+        ports = {role: free_port() for role in roles}
+        stack = ServiceStack(launcher, srv, env, ports, time.time())
+        try:
+            for role in roles:
+                launcher.start_service(role, {**env, **(role_env or {}).get(role, {})}, port=ports[role])
+            launcher.wait_ready(list(roles), timeout=ready_timeout)
+            yield stack
+        finally:
+            launcher.stop_all()
+    finally:
+        srv.kill()

@@ -17,10 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.cli.launch import Launcher, free_port
 from services.cli.model import ensure_teacher_model
-from services.cli.stack import stack_env
-from tests.conftest import ROOT, RedisServer, wait_for
+from tests.conftest import ROOT, service_stack, wait_for
 
 ROLES = ["api", "reward", "ref", "rollout", "trainer"]
 STEPS = 14
@@ -45,21 +43,17 @@ def teacher_model(tiny_model: Path) -> Path:
 
 @pytest.mark.slow
 def test_distillation_lowers_kl_and_raises_accuracy(tmp_path: Path, tiny_model: Path, teacher_model: Path) -> None:
-    srv = RedisServer(tmp_path / "redis-data")
-    (tmp_path / "redis-data").mkdir()
-    srv.start()
-    launcher = Launcher(tmp_path / "run")
-    env = stack_env(tmp_path, str(tiny_model), srv.url, store_url=f"file://{tmp_path / 'store'}")
-    env["BURSTRL_DEV"] = "1"
-    ports = {role: free_port() for role in ROLES}
-    t0 = time.time()
-    try:
-        for role in ROLES:
-            role_env = {**env, "BURSTRL_REF_MODEL": str(teacher_model)} if role == "ref" else env
-            launcher.start_service(role, role_env, port=ports[role])
-        launcher.wait_ready(ROLES, timeout=400)
+    with service_stack(
+        tmp_path,
+        tiny_model,
+        ROLES,
+        env_extra={"BURSTRL_DEV": "1"},
+        role_env={"ref": {"BURSTRL_REF_MODEL": str(teacher_model)}},  # the ref serves the teacher
+        store_url=f"file://{tmp_path / 'store'}",
+    ) as stack:
+        t0 = stack.started_at
         t_ready = time.time() - t0
-        api = f"http://127.0.0.1:{ports['api']}"
+        api = stack.api
         body = {**JOB, "base_model": str(tiny_model), "teacher": str(teacher_model)}
         resp = httpx.post(f"{api}/v1/jobs", json=body, timeout=10)
         assert resp.status_code in (200, 201), resp.text
@@ -70,14 +64,11 @@ def test_distillation_lowers_kl_and_raises_accuracy(tmp_path: Path, tiny_model: 
             finished = s["job"]["state"] == "completed" and s["evals"] and s["evals"][-1]["version"] == STEPS
             return s if finished else None
 
-        final = wait_for(done, 600, "job completion and final eval", launcher)
+        final = wait_for(done, 600, "job completion and final eval", stack.launcher)
         points = {
             src: httpx.get(f"{api}/v1/jobs/{job_id}/metrics", params={"source": src}, timeout=10).json()
             for src in ("trainer", "ref")
         }
-    finally:
-        launcher.stop_all()
-        srv.kill()
     elapsed = time.time() - t0
 
     trainer, ref = points["trainer"], points["ref"]

@@ -14,10 +14,8 @@ import time
 import httpx
 import pytest
 
-from services.cli.launch import Launcher, free_port
-from services.cli.stack import stack_env
 from shared.ledger import audit
-from tests.conftest import RedisServer, make_bucket, wait_for
+from tests.conftest import make_bucket, service_stack, wait_for
 
 ROLES = ["api", "reward", "ref", "rollout", "trainer"]
 JOB = {
@@ -44,19 +42,9 @@ def _ready(port: int) -> tuple[int, dict]:
 
 @pytest.mark.slow
 def test_grpo_loop_survives_kills_and_learns(tmp_path, tiny_model, s3_endpoint):
-    srv = RedisServer(tmp_path / "redis-data")
-    (tmp_path / "redis-data").mkdir()
-    srv.start()
     make_bucket(s3_endpoint, "e2e")
-    launcher = Launcher(tmp_path / "run")
-    env = stack_env(tmp_path, str(tiny_model), srv.url, store_url="s3://e2e/run")
-    env["BURSTRL_DEV"] = "1"
-    ports = {role: free_port() for role in ROLES}
-    try:
-        for role in ROLES:
-            launcher.start_service(role, env, port=ports[role])
-        launcher.wait_ready(ROLES, timeout=400)
-        api = f"http://127.0.0.1:{ports['api']}"
+    with service_stack(tmp_path, tiny_model, ROLES, env_extra={"BURSTRL_DEV": "1"}, store_url="s3://e2e/run") as stack:
+        launcher, srv, ports, api = stack.launcher, stack.redis, stack.ports, stack.api
         job_id = httpx.post(f"{api}/v1/jobs", json={**JOB, "base_model": str(tiny_model)}, timeout=10).json()["id"]
 
         def status() -> dict:
@@ -69,7 +57,7 @@ def test_grpo_loop_survives_kills_and_learns(tmp_path, tiny_model, s3_endpoint):
         time.sleep(2)
         for role in ("api", "rollout", "trainer", "ref"):
             assert _ready(ports[role])[0] == 200, f"{role} should stay up when reward dies"
-        launcher.start_service("reward", env, port=ports["reward"])
+        launcher.start_service("reward", stack.env, port=ports["reward"])
 
         # kill -9 Redis: services report not-ready with the reason, then recover.
         srv.kill()
@@ -96,9 +84,6 @@ def test_grpo_loop_survives_kills_and_learns(tmp_path, tiny_model, s3_endpoint):
         client = srv.client()
         ledger_audit = audit(client, job_id)  # one atomic snapshot: counters vs. the streams
         client.close()
-    finally:
-        launcher.stop_all()
-        srv.kill()
 
     assert final["policy_version"] == JOB["steps"]
     assert final["ledger"]["trained"] == JOB["steps"] * JOB["batch_size"]

@@ -26,10 +26,8 @@ import httpx
 import pytest
 
 from services.cli.demo import DEMO_CALC_JOB
-from services.cli.launch import Launcher, free_port
 from services.cli.model import ensure_calc_model
-from services.cli.stack import stack_env
-from tests.conftest import ROOT, RedisServer, wait_for
+from tests.conftest import ROOT, service_stack, wait_for
 
 ROLES = ["api", "reward", "rollout", "trainer"]  # no KL term and no teacher: no ref stage
 STEPS = 20
@@ -52,20 +50,12 @@ def run_job(
 ) -> tuple[dict, dict[str, list[dict]], float, float]:
     """Run `job` for `steps` on a fresh local stack; the final status, the metrics points by
     source, and the seconds until the services were ready and in all."""
-    srv = RedisServer(tmp_path / "redis-data")
-    (tmp_path / "redis-data").mkdir()
-    srv.start()
-    launcher = Launcher(tmp_path / "run")
-    env = stack_env(tmp_path, str(model), srv.url, store_url=f"file://{tmp_path / 'store'}")
-    env["BURSTRL_DEV"] = "1"
-    ports = {role: free_port() for role in ROLES}
-    t0 = time.time()
-    try:
-        for role in ROLES:
-            launcher.start_service(role, env, port=ports[role])
-        launcher.wait_ready(ROLES, timeout=400)
+    with service_stack(
+        tmp_path, model, ROLES, env_extra={"BURSTRL_DEV": "1"}, store_url=f"file://{tmp_path / 'store'}"
+    ) as stack:
+        t0 = stack.started_at
         t_ready = time.time() - t0
-        api = f"http://127.0.0.1:{ports['api']}"
+        api = stack.api
         resp = httpx.post(f"{api}/v1/jobs", json={**job, "steps": steps, "base_model": str(model)}, timeout=10)
         assert resp.status_code in (200, 201), resp.text
         job_id = resp.json()["id"]
@@ -75,14 +65,11 @@ def run_job(
             finished = s["job"]["state"] == "completed" and s["evals"] and s["evals"][-1]["version"] == steps
             return s if finished else None
 
-        final = wait_for(done, 600, "job completion and final eval", launcher)
+        final = wait_for(done, 600, "job completion and final eval", stack.launcher)
         points = {
             src: httpx.get(f"{api}/v1/jobs/{job_id}/metrics", params={"source": src}, timeout=10).json()
             for src in ("trainer", "rollout_env", "reward")
         }
-    finally:
-        launcher.stop_all()
-        srv.kill()
     return final, points, t_ready, time.time() - t0
 
 

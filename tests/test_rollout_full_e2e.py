@@ -7,9 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from services.cli.launch import Launcher, free_port
-from services.cli.stack import stack_env
-from tests.conftest import RedisServer, wait_for
+from tests.conftest import service_stack, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -31,17 +29,8 @@ JOB = {
 
 
 def test_full_weight_job_trains_through_the_services(tmp_path, tiny_model) -> None:  # noqa: ANN001
-    (tmp_path / "redis-data").mkdir()
-    srv = RedisServer(tmp_path / "redis-data")
-    srv.start()
-    launcher = Launcher(tmp_path / "run")
-    env = stack_env(tmp_path, str(tiny_model), srv.url)
-    ports = {role: free_port() for role in ROLES}
-    try:
-        for role in ROLES:
-            launcher.start_service(role, env, port=ports[role])
-        launcher.wait_ready(ROLES, timeout=400)
-        api = f"http://127.0.0.1:{ports['api']}"
+    with service_stack(tmp_path, tiny_model, ROLES) as stack:
+        api = stack.api
         resp = httpx.post(f"{api}/v1/jobs", json={**JOB, "base_model": str(tiny_model)}, timeout=10)
         assert resp.status_code in (200, 201), resp.text
         job_id = resp.json()["id"]
@@ -56,16 +45,16 @@ def test_full_weight_job_trains_through_the_services(tmp_path, tiny_model) -> No
             return [p["version"] for p in points("rollout_version") if p.get("event") == "adopted"]
 
         final = wait_for(
-            lambda: (lambda s: s if s["job"]["state"] == "completed" else None)(status()), 900, "job done", launcher
+            lambda: (lambda s: s if s["job"]["state"] == "completed" else None)(status()),
+            900,
+            "job done",
+            stack.launcher,
         )
         # The last version is published as the job completes: rollout stops serving the job
         # then (and restores its base model), so it adopts the versions before it.
         versions = adopted()
         trainer = points("trainer")
         refused = [p for p in points("rollout_version") if p.get("event") == "refused"]
-    finally:
-        launcher.stop_all()
-        srv.kill()
 
     assert final["policy_version"] == STEPS and final["job"]["error"] == "", final
     assert not refused, refused
