@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.pipeline import DEMO_SHAPE, MODEL, Stack, run_job  # noqa: E402
+from bench.plots import accuracy_curves  # noqa: E402
 
 
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
@@ -41,24 +42,8 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
 
 
 def plot(runs: dict[int, list[dict[str, Any]]], png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for s, rs in sorted(runs.items()):
-        e = rs[-1]["evals"]
-        ax.plot([x["t"] for x in e], [x["accuracy"] for x in e], "o-", ms=3, label=f"max_staleness {s}")
-    ax.set_xlabel("seconds since submission")
-    ax.set_ylabel("held-out accuracy (T=1)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title("async vs sync (last round)")
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
+    curves = [(f"max_staleness {s}", rs[-1]["evals"]) for s, rs in sorted(runs.items())]
+    accuracy_curves(curves, png, xlabel="seconds since submission", title="async vs sync (last round)", marker_size=3)
 
 
 def main() -> None:

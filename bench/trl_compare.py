@@ -34,6 +34,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.plots import accuracy_curves  # noqa: E402
+
 MODEL = ROOT / ".burstrl" / "models" / "tiny-sft"
 G, BATCH, LR, KL, MAX_TOKENS, EVAL_N, EVAL_K = 16, 8, 1e-3, 0.001, 6, 64, 4
 
@@ -279,26 +281,14 @@ def report(results: list[dict[str, Any]], threshold: float, cmd: str, notes: lis
 
 
 def plot(results: list[dict[str, Any]], threshold: float, png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for r in results:
-        if r.get("failed"):
-            continue
-        ax.plot([e["t"] for e in r["evals"]], [e["accuracy"] for e in r["evals"]], "o-", label=f"{r['side']}")
-    ax.axhline(threshold, color="grey", ls=":", label="threshold")
-    ax.set_xlabel("training wall-clock seconds")
-    ax.set_ylabel("held-out accuracy (T=1)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title("burstrl vs TRL GRPOTrainer, tiny model, arith")
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
+    curves = [(r["side"], r["evals"]) for r in results if not r.get("failed")]
+    accuracy_curves(
+        curves,
+        png,
+        xlabel="training wall-clock seconds",
+        title="burstrl vs TRL GRPOTrainer, tiny model, arith",
+        threshold=threshold,
+    )
 
 
 def main() -> None:

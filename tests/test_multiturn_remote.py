@@ -14,13 +14,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from bench.rollout_common import start_vllm_server, wait_vllm_server
 from services.cli.launch import free_port, terminate
 from services.rollout.engine import Engine, SamplingConfig
-from shared.tasks import get_task
-from tests.test_multiturn_vllm import Recording, _episodes, calc_model  # noqa: F401 (calc_model: a fixture)
+from tests.test_multiturn_vllm import (  # noqa: F401 (calc_model: a fixture; the replay test runs here on this engine)
+    calc_model,
+    multi_turn_sample,
+    test_greedy_episode_replays_to_the_same_ids,
+    worst_gap_to_trainer,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -54,36 +57,9 @@ def test_generate_ids_sends_and_receives_exact_ids(engine: Engine) -> None:
 
 
 def test_episodes_are_token_exact_on_remote_vllm(engine: Engine, calc_model: Path) -> None:  # noqa: F811
-    from transformers import AutoModelForCausalLM
-
-    rec = Recording(engine)
-    eps = _episodes(rec, 24, 1.0)
+    rec, multi = multi_turn_sample(engine)
     assert rec.calls and all(sent == seen for sent, seen in rec.calls)  # the server continued exactly our ids
-    multi = [e for e in eps if e.turns >= 2 and 0 in e.mask]
-    assert multi, [e.end for e in eps]  # the SFT'd model calls the tool sometimes
-    model = AutoModelForCausalLM.from_pretrained(calc_model, dtype=torch.float32).eval()
-    worst = 0.0
-    for e in multi:
-        ids = torch.tensor([e.prompt_ids + e.ids])
-        with torch.no_grad():
-            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
-        p = len(e.prompt_ids)
-        trainer = logp[p - 1 :].gather(-1, ids[0, p:, None]).squeeze(-1)
-        for t, (m, lp) in enumerate(zip(e.mask, e.logprobs, strict=True)):
-            if m:
-                worst = max(worst, abs(float(trainer[t]) - lp))
-            else:
-                assert lp == 0.0
-    assert worst < 1e-3, worst
-
-
-def test_greedy_episode_replays_to_the_same_ids(engine: Engine) -> None:
-    a = _episodes(Recording(engine), 16, 0.0)
-    b = _episodes(Recording(engine), 16, 0.0)
-    assert [e.ids for e in a] == [e.ids for e in b]
-    assert [e.mask for e in a] == [e.mask for e in b]
-    acc = sum(get_task("arith3").score(e.answer, e.fields)["correct"] for e in a) / len(a)
-    print(f"\ngreedy accuracy {acc:.2f}, tool calls {sum(e.tool_calls for e in a)}/{len(a)}")
+    assert (worst := worst_gap_to_trainer(multi, calc_model)) < 1e-3, worst
 
 
 if __name__ == "__main__":  # building a vLLM engine in a spawned process needs this guard

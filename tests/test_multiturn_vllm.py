@@ -67,16 +67,22 @@ def _episodes(eng: Recording, n: int, temperature: float) -> list:
     return eps
 
 
-def test_episodes_are_token_exact_on_vllm(engine: Engine, calc_model: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
+def multi_turn_sample(engine: Engine) -> tuple[Recording, list]:
+    """24 sampled episodes through a recording engine; only those that used the tool."""
     rec = Recording(engine)
     eps = _episodes(rec, 24, 1.0)
-    assert all(sent == seen for sent, seen in rec.calls)  # vLLM continued exactly our ids
     multi = [e for e in eps if e.turns >= 2 and 0 in e.mask]
     assert multi, [e.end for e in eps]  # the SFT'd model calls the tool sometimes
     print(f"\n{len(multi)}/{len(eps)} episodes used the tool; ends: {[e.end for e in eps]}")
-    model = AutoModelForCausalLM.from_pretrained(calc_model, dtype=torch.float32).eval()
+    return rec, multi
+
+
+def worst_gap_to_trainer(multi: list, model_path: Path) -> float:
+    """Largest |sampler - trainer| log-prob over generated tokens (transformers, fp32, on
+    prompt + trajectory); observation tokens must carry log-prob 0."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     worst = 0.0
     for e in multi:
         ids = torch.tensor([e.prompt_ids + e.ids])
@@ -89,7 +95,13 @@ def test_episodes_are_token_exact_on_vllm(engine: Engine, calc_model: Path) -> N
                 worst = max(worst, abs(float(trainer[t]) - lp))
             else:
                 assert lp == 0.0
-    assert worst < 1e-3, worst
+    return worst
+
+
+def test_episodes_are_token_exact_on_vllm(engine: Engine, calc_model: Path) -> None:
+    rec, multi = multi_turn_sample(engine)
+    assert all(sent == seen for sent, seen in rec.calls)  # vLLM continued exactly our ids
+    assert (worst := worst_gap_to_trainer(multi, calc_model)) < 1e-3, worst
 
 
 def test_greedy_episode_replays_to_the_same_ids(engine: Engine) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import msgspec
 import pytest
 import torch
 from pydantic import ValidationError
@@ -28,8 +29,9 @@ from services.trainer.advantages import (
 from services.trainer.batch import collate
 from shared.envs import StepResult, make_env, register_env
 from shared.job import JobSpec
-from shared.schema import Completion, GroupMsg, decode, encode, pack_f32, pack_i32, pack_u8, unpack_i32
-from tests.test_multiturn import grads_and_stats
+from shared.schema import Completion, GroupMsg, decode, encode, pack_f32, pack_i32, unpack_i32
+from tests.test_multiturn import PROMPT, grads_and_stats
+from tests.test_multiturn import episode as multiturn_episode
 
 KINDS = ["grpo", "dr_grpo", "rloo"]
 
@@ -157,31 +159,14 @@ def test_spread_maps_turns_to_shifted_positions_and_zeroes_observations() -> Non
 
 
 # -- the trainer's path: gradient at observation tokens ----------------------------------------
-PROMPT = [5, 6, 7]
-# generated (1) | observation (0) | generated (1) | observation (0) | generated (1): 3 turns
-LAYOUT = [(1, 4), (0, 3), (1, 2), (0, 2), (1, 3)]
+# The layout of tests/test_multiturn.py's episodes (generated | observation | ... : 3 turns).
 STARTS = [0, 7, 11]
 
 
 def episode(seed: int, reward: float, steps: list[float], obs_lp: float = 0.0) -> Completion:
-    g = torch.Generator().manual_seed(seed)
-    ids, mask, lps, ref = [], [], [], []
-    for m, n in LAYOUT:
-        ids += torch.randint(8, 40, (n,), generator=g).tolist()
-        mask += [m] * n
-        lps += [float(-torch.rand(1, generator=g)) - 0.5 if m else obs_lp for _ in range(n)]
-        ref += [float(-torch.rand(1, generator=g)) - 0.5 if m else 10 * obs_lp for _ in range(n)]
-    cut = len(ids) - (seed % 3)  # ragged lengths (the last turn stays non-empty): padding in play
-    return Completion(
-        token_ids=pack_i32(ids[:cut]),
-        logprobs=pack_f32(lps[:cut]),
-        loss_mask=pack_u8(mask[:cut]),
-        text="",
-        finish_reason="stop",
-        reward=reward,
-        ref_logprobs=pack_f32(ref[:cut]),
-        turn_starts=pack_i32(STARTS),
-        turn_rewards=pack_f32(steps),
+    """tests/test_multiturn.py's episode, with its turn starts and per-turn step rewards."""
+    return msgspec.structs.replace(
+        multiturn_episode(seed, reward, obs_lp), turn_starts=pack_i32(STARTS), turn_rewards=pack_f32(steps)
     )
 
 

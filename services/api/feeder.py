@@ -32,6 +32,7 @@ class Feeder:
         self._iters: dict[str, tuple[int, Iterator[TaskItem]]] = {}
         self._trimmed_at: dict[str, float] = {}
         self._cursors: dict[bytes, bytes] = {}  # metrics stream -> last id seen (for `wait`)
+        self._active: list[str] = []  # the active jobs as of the last tick
 
     def _items(self, rec: JobRecord, fed: int) -> Iterator[TaskItem]:
         pos, it = self._iters.get(rec.id, (-1, iter(())))
@@ -42,8 +43,8 @@ class Feeder:
     def tick(self) -> int:
         """Feed every running job up to its window; returns prompts fed."""
         total = 0
-        for raw_id in sorted(self.r.smembers(keys.active_jobs())):
-            job_id = raw_id.decode()
+        self._active = sorted(j.decode() for j in self.r.smembers(keys.active_jobs()))
+        for job_id in self._active:
             try:
                 total += self._feed(job_id)
                 self._trim(job_id)
@@ -65,7 +66,7 @@ class Feeder:
         a visible bubble per step (rollout waits for prompts while the trainer waits for
         rollouts). Points of other stages wake it too; a tick is a few cheap reads.
         """
-        streams = [keys.metrics(j.decode()).encode() for j in self.r.smembers(keys.active_jobs())]
+        streams = [keys.metrics(j).encode() for j in self._active]  # the jobs the last tick saw
         if not streams:
             time.sleep(timeout_s)
             return

@@ -101,6 +101,18 @@ class JobView:
         return int(self.current.adapter is not None) + sum(1 for x in self.retiring if x.adapter)
 
 
+def refusal_kind(e: Exception) -> str:
+    """The metric label of a refused version: probe, hash, load, or manifest (a missing file
+    or a malformed manifest)."""
+    if isinstance(e, ProbeMismatch):
+        return "probe"
+    if isinstance(e, VerificationError):
+        return "hash"
+    if isinstance(e, AdapterError):
+        return "load"
+    return "manifest"
+
+
 def sampling_of(spec: JobSpec, n: int | None = None, temperature: float | None = None) -> SamplingConfig:
     s = spec.sampling
     return SamplingConfig(
@@ -368,14 +380,7 @@ class RolloutWorker:
             adapter = self.engine.load_adapter(name, str(dest.resolve()))
             worst = self._probe(manifest, adapter)
         except (VerificationError, StoreError, AdapterError, ValueError, KeyError, TypeError) as e:
-            if isinstance(e, ProbeMismatch):
-                kind = "probe"
-            elif isinstance(e, VerificationError):
-                kind = "hash"
-            elif isinstance(e, AdapterError):
-                kind = "load"
-            else:  # a missing file or a malformed manifest
-                kind = "manifest"
+            kind = refusal_kind(e)
             self._undo(view, dest, adapter, swapped_out)
             self._refuse(view, v, kind, f"{type(e).__name__}: {e}")
             return False
@@ -442,14 +447,7 @@ class RolloutWorker:
                 self.engine.load_full(str(model_dir.resolve()))
                 worst = self._probe(manifest, None)
             except (VerificationError, StoreError, AdapterError, ValueError, KeyError, TypeError, OSError) as e:
-                if isinstance(e, ProbeMismatch):
-                    kind = "probe"
-                elif isinstance(e, VerificationError):
-                    kind = "hash"
-                elif isinstance(e, AdapterError):
-                    kind = "load"
-                else:
-                    kind = "manifest"
+                kind = refusal_kind(e)
                 if switched and not isinstance(e, AdapterError):  # AdapterError: the engine put them back
                     self.engine.load_full(prev_model)
                 shutil.rmtree(dest, ignore_errors=True)
