@@ -134,8 +134,20 @@ def test_wandb_offline(r, redis_server, tmp_path, monkeypatch):
     bridge = open_bridge(RedisSource(redis_server.url, job_id), job_id, "wandb", str(tmp_path / "wb"))
     bridge.sync()
     bridge.close()
-    rows = _wandb_history(tmp_path / "wb")
-    trainer = [row for row in rows if "trainer/reward_mean" in row]
+    # wandb's service process may still be writing the run file when finish() returns (one
+    # CI run under load read it empty): read until the history is there, or 30 s.
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            rows = _wandb_history(tmp_path / "wb")
+        except Exception:  # noqa: BLE001 - a record half written: read again
+            if time.monotonic() > deadline:
+                raise
+            rows = []
+        trainer = [row for row in rows if "trainer/reward_mean" in row]
+        if len(trainer) >= 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert [int(row["trainer/step"]) for row in trainer] == [1, 2, 3]
     assert float(trainer[-1]["trainer/reward_mean"]) == pytest.approx(0.3)
     assert [float(row["eval/accuracy"]) for row in rows if "eval/accuracy" in row] == [0.25, 0.5]
