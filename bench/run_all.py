@@ -25,6 +25,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 PY = ".venv/bin/python"
+# The countup workload's threshold: its SFT model starts near 0.2 held-out, like arith's (set from a run of
+# bench/trl_compare.py --task countup).
+COUNTUP_THRESHOLD = "0.3"
 
 
 def machine() -> str:
@@ -78,9 +81,20 @@ def items(full: bool, out: Path) -> list[tuple[str, list[str], Path | None]]:
         ),
         (
             "trl",
-            [PY, "bench/trl_compare.py", "--steps", steps, "--threshold", "0.3"]
-            + ["--burstrl-from", str(b / "staleness.json"), "--out", str(b / "trl.md")],
+            [PY, "bench/trl_compare.py", "--task", "arith", "--steps", steps, "--threshold", "0.3"]
+            + ["--rounds", "3" if full else "2", "--out", str(b / "trl.md")],
             b / "trl.md",
+        ),
+        (
+            "trl_countup",
+            [PY, "bench/trl_compare.py", "--task", "countup", "--steps", steps, "--threshold", COUNTUP_THRESHOLD]
+            + ["--rounds", "2" if full else "1", "--out", str(b / "trl_countup.md")],
+            b / "trl_countup.md",
+        ),
+        (
+            "generation",
+            [PY, "bench/generation.py", "--rounds", "3" if full else "2", "--out", str(b / "generation.md")],
+            b / "generation.md",
         ),
         ("sync", [PY, "bench/rollout_sync.py", *s["sync"], "--json", str(b / "sync.json")], None),
         ("tput", [PY, "bench/rollout_throughput.py", *s["tput"], "--json", str(b / "tput.json")], None),
@@ -120,6 +134,42 @@ def tput_md(cmd: str, data: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def trl_rows(d: list[dict[str, Any]], cmd: str, name: str) -> list[tuple[str, str, str, str]]:
+    """The TRL comparison's summary rows: per burstrl setting, the median time ratio and accuracies."""
+    import statistics
+
+    from bench.trl_compare import ratios
+
+    thr = float(cmd.split("--threshold ")[1].split()[0])
+    task = cmd.split("--task ")[1].split()[0]
+    ok = [r for r in d if not r.get("failed")]
+    trl = [r for r in ok if r["side"] == "trl"]
+    if not trl:
+        return []
+    trl_sps = statistics.median(r["samples_per_s"] for r in trl)
+    trl_acc = statistics.median(r["evals"][-1]["accuracy"] for r in trl)
+    rows = []
+    found = ratios(d, thr)
+    for mode in dict.fromkeys(r["mode"] for r in ok if r["side"] == "burstrl"):
+        mine = [r for r in ok if r["mode"] == mode]
+        rs = found.get(mode)
+        ratio = f"{statistics.median(rs):.2f}x" if rs else "threshold not reached by both"
+        label = mode.replace("5 services, ", "")
+        rows.append((f"{task}: TRL time to acc {thr} / burstrl's ({label})", ratio, ">= 1.5x", name))
+        sps = statistics.median(r["samples_per_s"] for r in mine)
+        acc = statistics.median(r["evals"][-1]["accuracy"] for r in mine)
+        rows.append((f"{task}: samples/s burstrl / TRL ({label})", f"{sps / trl_sps:.2f}", "", name))
+        rows.append(
+            (
+                f"{task}: final held-out acc burstrl vs TRL ({label})",
+                f"{acc:.3f} vs {trl_acc:.3f}",
+                "burstrl >= TRL",
+                name,
+            )
+        )
+    return rows
+
+
 def summary(b: Path, cmds: dict[str, str]) -> list[str]:
     """The headline number of each benchmark that ran, with its target and command."""
     import re
@@ -153,29 +203,13 @@ def summary(b: Path, cmds: dict[str, str]) -> list[str]:
             rows.append(("bus / raw redis-py throughput", m.group(1), ">= 0.8", "bus"))
         if m := re.search(r"\| bus \+ schema: .*?\*\*([0-9.]+)\*\*", text):
             rows.append(("bus + msgpack schema / raw redis-py throughput", m.group(1), "", "bus"))
-    if "trl" in cmds and (d := load("trl.json")):
-        from bench.trl_compare import time_to
-
-        thr = float(cmds["trl"].split("--threshold ")[1].split()[0])
-        bs = next((r for r in d if r["side"] == "burstrl"), None)
-        tr = next((r for r in d if r["side"] == "trl"), None)
-        if bs and tr:
-            tb, tt = time_to(bs["evals"], thr), time_to(tr["evals"], thr)
-            ratio = (
-                f"{tt / tb:.2f}x"
-                if tb and tt
-                else f"burstrl {'reached' if tb else 'never'}, TRL {'reached' if tt else 'never'}"
-            )
-            rows.append((f"TRL time to acc {thr} / burstrl's", ratio, ">= 1.5x", "trl"))
-            rows.append(("samples/s burstrl / TRL", f"{bs['samples_per_s'] / tr['samples_per_s']:.2f}", "", "trl"))
-            rows.append(
-                (
-                    "final held-out acc burstrl vs TRL",
-                    f"{bs['evals'][-1]['accuracy']:.3f} vs {tr['evals'][-1]['accuracy']:.3f}",
-                    "burstrl >= TRL",
-                    "trl",
-                )
-            )
+    for name in ("trl", "trl_countup"):
+        if name in cmds and (d := load(f"{name}.json")):
+            rows += trl_rows(d, cmds[name], name)
+    if "generation" in cmds and (d := load("generation.json")):
+        for n in sorted(d["hf"], key=int):
+            ratio = statistics.median(d["vllm"][n]) / statistics.median(d["hf"][n])
+            rows.append((f"generation tok/s vLLM / HF generate, {n} new tokens", f"{ratio:.2f}", "", "generation"))
     if "staleness" in cmds and (d := load("staleness.json")):
         walls = {k: statistics.median(r["wall_s"] for r in v) for k, v in d.items()}
         if "0" in walls:
@@ -224,7 +258,7 @@ def plots(b: Path) -> list[str]:
         fig.savefig(b / "sync.png", dpi=100)
         plt.close(fig)
         out.append("![sync](bench/sync.png)")
-    for name in ("staleness", "trl"):
+    for name in ("staleness", "trl", "trl_countup"):
         if (b / f"{name}.png").exists():
             out.append(f"![{name}](bench/{name}.png)")
     return out

@@ -288,6 +288,11 @@ def env_tables(lay: Layout, plan: dict[str, Any]) -> dict[str, dict[str, Any]]:
     trainer_tuning = trainer["recommended"] if lay.profile == "recommended" else trainer["min_settings"]
     if trainer_tuning.get("grad_checkpointing"):
         env["trainer"]["BURSTRL_TRAINER_GRADIENT_CHECKPOINTING"] = True
+    # The planner sized activations for `micro_batch` sequences of prompt + completion tokens
+    # per forward/backward; the trainer bounds its passes by padded tokens.
+    env["trainer"]["BURSTRL_TRAINER_MICRO_BATCH_TOKENS"] = max(1, int(trainer_tuning.get("micro_batch", 1))) * (
+        lay.prompt_len + lay.completion_len
+    )
     if trainer["card"] in ("h200", "h100"):  # rented: stop with a checkpoint before the rental ends
         env["trainer"]["BURSTRL_TRAINER_TIME_BUDGET_S"] = 9 * 3600 + 30 * 60
     if rollout is not None:

@@ -33,7 +33,31 @@ def test_arith_is_unchanged_by_default() -> None:
     assert {"arith", "mathword", "code"} <= set(task_names())
 
 
-@pytest.mark.parametrize("name", ["mathword", "code"])
+def test_countup_scores_the_whole_count_and_its_demos_fit_the_budget() -> None:
+    import random
+
+    from shared.tasks.countup import MAX_COMPLETION_TOKENS
+
+    t = get_task("countup")
+    f = {"answer": "12", "start": "9"}
+    assert t.score(" 9 10 11 12\n", f) == {"correct": 1.0}
+    for wrong in ["12", "9 10 11 12 13", "9 11 12", "10 11 12", ""]:
+        assert t.score(wrong, f) == {"correct": 0.0}, wrong
+    # Same problems and split as arith; the slip is one number too far, as arith's is one digit.
+    assert ids(t.heldout_items(50)) == ids(get_task("arith").heldout_items(50))
+    rng = random.Random(0)
+    items = list(itertools.islice(t.train_items(0), 400))
+    demos = [t.demonstration(it, rng, 0.25) for it in items]
+    right = [t.score(d, it.fields)["correct"] for d, it in zip(demos, items, strict=True)]
+    assert 0.15 < sum(right) / len(right) < 0.35
+    for d, it in zip(demos, items, strict=True):
+        assert d.split()[0] == it.fields["start"] and int(d.split()[-1]) - int(it.fields["answer"]) in (0, 1)
+    # One byte-level token per character, plus EOS: the longest demo (29+29, slipped) fits.
+    longest = t.demonstration(t._item(29, 29), random.Random(0), 0.0)
+    assert len(longest) + 1 <= MAX_COMPLETION_TOKENS
+
+
+@pytest.mark.parametrize("name", ["mathword", "code", "countup"])
 def test_synthetic_splits_are_disjoint_and_seeded(name: str) -> None:
     t = get_task(name)
     train = list(itertools.islice(t.train_items(0), 300))

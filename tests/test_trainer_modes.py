@@ -99,3 +99,87 @@ def test_algorithm_variants_run_end_to_end(model_dir, algorithm):  # noqa: ANN00
     assert res.updates == spec.algorithm.ppo_epochs * spec.algorithm.minibatches
     assert all(v == v for v in res.stats.values())  # no NaN
     assert "kl_ref" in res.stats and "mismatch_kl" in res.stats
+
+
+def _uneven_groups(n: int = 3, g: int = 4) -> list[GroupMsg]:
+    """Completions of 1..12 tokens with partial loss masks and ref log-probs: padding matters."""
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for i in range(n):
+        comps = []
+        for j in range(g):
+            t = int(torch.randint(1, 13, (1,), generator=gen))
+            mask = [1] * t
+            if t > 3:
+                mask[1] = 0  # an observation token inside the completion
+            comps.append(
+                Completion(
+                    token_ids=pack_i32(torch.randint(3, 200, (t,), generator=gen).tolist()),
+                    logprobs=pack_f32((-torch.rand(t, generator=gen) * 3).tolist()),
+                    ref_logprobs=pack_f32((-torch.rand(t, generator=gen) * 3).tolist()),
+                    loss_mask=pack_u8(mask),
+                    text="x",
+                    finish_reason="stop",
+                    reward=float((i + j) % 3),
+                )
+            )
+        out.append(
+            GroupMsg(
+                job_id="j",
+                group_id=f"g{i}",
+                item_id=str(i),
+                prompt="p",
+                prompt_ids=pack_i32([5, 6, 7][: 1 + i % 3]),
+                policy_version=0,
+                completions=comps,
+                stage="ready",
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        {},
+        {"aggregation": "seq-mean-token-mean", "entropy_coef": 0.01},
+        {"ratio_level": "sequence", "ppo_epochs": 2, "minibatches": 3, "advantage": "rloo"},
+        {"aggregation": "seq-mean-token-sum-norm", "advantage": "dr_grpo", "kl_in": "reward"},
+    ],
+)
+def test_micro_batches_give_the_same_update(model_dir, algorithm):  # noqa: ANN001
+    """Passes sorted by length with a token budget accumulate exactly one pass's gradient."""
+    spec = JobSpec(base_model=str(model_dir), group_size=4, batch_size=3, steps=3, kl_coef=0.05, algorithm=algorithm)
+    out = []
+    for budget in (0, 24):
+        model, tok = load_policy(str(model_dir), rank=4, alpha=8, device="cpu", seed=0)
+        learner = Learner(model, spec, pad_id=tok.pad_token_id, grad_clip=1.0, micro_batch_tokens=budget)
+        res = learner.train_batch(_uneven_groups())
+        weights = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
+        out.append((res, weights))
+    (one, w1), (many, w2) = out
+    assert one.updates == many.updates == spec.algorithm.ppo_epochs * spec.algorithm.minibatches
+    assert many.grad_norm == pytest.approx(one.grad_norm, rel=1e-4, abs=1e-7)
+    for k, v in one.stats.items():
+        assert many.stats[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-6)
+
+
+def test_micro_batch_passes_cover_each_row_once_within_the_budget(model_dir):
+    from services.trainer.batch import collate
+
+    spec = JobSpec(base_model=str(model_dir), group_size=4, batch_size=3, steps=3)
+    model, tok = load_policy(str(model_dir), rank=4, alpha=8, device="cpu", seed=0)
+    b = collate(_uneven_groups(), tok.pad_token_id)
+    lengths = b.attention_mask.sum(dim=1).tolist()
+    rows = list(range(len(lengths)))
+    for budget in (1, 16, 24, 10_000):
+        passes = Learner(model, spec, pad_id=0, grad_clip=1.0, micro_batch_tokens=budget)._chunks(b, rows)
+        assert sorted(r for p in passes for r in p) == rows
+        for p in passes:
+            assert len(p) == 1 or len(p) * max(lengths[r] for r in p) <= budget
+        flat = [lengths[r] for p in passes for r in p]
+        assert flat == sorted(flat, reverse=True)  # longest first: a pass pads to its first row
+    assert Learner(model, spec, pad_id=0, grad_clip=1.0, micro_batch_tokens=0)._chunks(b, rows) == [rows]
+    assert len(Learner(model, spec, pad_id=0, grad_clip=1.0, micro_batch_tokens=10_000)._chunks(b, rows)) == 1

@@ -53,6 +53,31 @@ def ensure_teacher_model(out: Path, student: Path, *, force: bool = False, log: 
     return out
 
 
+# The long-completion model of the TRL comparison (bench/trl_compare.py --task countup): the
+# tiny architecture SFT'd on "countup" traces, a quarter of them stopping at a+b and the rest
+# one number late, so that, as with "arith", GRPO has to learn where to stop.
+COUNTUP_RECIPE = "countup-slip-sft600x128-v1"
+
+
+def ensure_countup_model(out: Path, *, force: bool = False, log: Callable[[str], None] = print) -> Path:
+    out = out.resolve()
+    if (out / DONE).exists() and not force and json.loads((out / DONE).read_text()).get("recipe") == COUNTUP_RECIPE:
+        return out
+    from services.trainer.sft import sft_warm_start
+    from services.trainer.tiny_model import build_model
+
+    base = out.parent / (out.name + "-base")
+    shutil.rmtree(base, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
+    log(f"building the counting tiny model in {base}")
+    build_model(base)
+    log("SFT warm-start on 'countup' traces (a few minutes on 2 cores)")
+    sft_warm_start(base, out, task_name="countup")
+    shutil.rmtree(out / "_sft_run", ignore_errors=True)
+    (out / DONE).write_text(json.dumps({"base": str(base), "recipe": COUNTUP_RECIPE}))
+    return out
+
+
 # The tool-use demo's model: the tiny architecture SFT'd on 3-digit sums ("arith3"), where
 # 40% of the demonstrations call the calculator (`<calc>a+b</calc>`, the tool's `=s`, then an
 # empty turn that submits the tool's result) and the rest answer directly. It can call the tool but mostly does not, and its direct

@@ -82,9 +82,11 @@ class Learner:
         device: str = "cpu",
         world: int = 1,
         rank: int = 0,
+        micro_batch_tokens: int = 0,
     ) -> None:
         self.model, self.spec, self.pad_id, self.grad_clip, self.device = model, spec, pad_id, grad_clip, device
         self.world, self.rank = world, rank
+        self.micro_batch_tokens = micro_batch_tokens
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=spec.learning_rate, weight_decay=0.0)
         a = spec.algorithm
@@ -102,6 +104,24 @@ class Learner:
         logits = self.model(input_ids=ids, attention_mask=attn[:, :length].to(self.device)).logits[:, :-1]
         logp, ent = token_logprobs_and_entropy(logits, ids[:, 1:])
         return logp, ent, length - 1
+
+    def _chunks(self, b: Batch, rows: list[int]) -> list[list[int]]:
+        """`rows` as forward/backward passes: longest first, each at most `micro_batch_tokens`
+        padded tokens (rows x its longest row; at least one row). One pass pads every row to
+        the batch's longest; with long, uneven completions that is most of the compute. The
+        losses carry the mini-batch's token and sequence counts, so accumulating the passes'
+        gradients gives the same update as one pass."""
+        if not rows or self.micro_batch_tokens <= 0:
+            return [rows] if rows else []
+        lengths = b.attention_mask.sum(dim=1).tolist()
+        order = sorted(rows, key=lambda r: -lengths[r])
+        out: list[list[int]] = []
+        for r in order:
+            if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= self.micro_batch_tokens:
+                out[-1].append(r)
+            else:
+                out.append([r])
+        return out
 
     def _sync_grads(self) -> None:
         """Sum gradients across ranks (each rank's loss already carries the global denominator)."""
@@ -170,28 +190,29 @@ class Learner:
             (float(b.mask[[r for gi in mb for r in range(gi * g_size, (gi + 1) * g_size)]].sum()), len(mb) * g_size)
             for mb in mbs
         ]
+        passes = [self._chunks(b, rows) for rows in local]
         res = StepResult(tokens=b.tokens)
         self.model.train()
         t0 = time.perf_counter()
-        old: dict[int, torch.Tensor] = {}
+        old: dict[tuple[int, int], torch.Tensor] = {}
         if a.ppo_epochs * a.minibatches > 1:
             # The PPO anchor: log-probs under the weights the batch started from.
             with torch.no_grad():
-                for i, rows in enumerate(local):
-                    if rows:
-                        old[i] = self._forward(b, rows)[0].detach()
+                for i, chunks in enumerate(passes):
+                    for j, rows in enumerate(chunks):
+                        old[i, j] = self._forward(b, rows)[0].detach()
         res.fwd_bwd_s += time.perf_counter() - t0
 
         sums: dict[str, float] = {}
         local_tokens = 0.0
         loss_sum = 0.0
         for _epoch in range(a.ppo_epochs):
-            for i, rows in enumerate(local):
+            for i, chunks in enumerate(passes):
                 if should_stop() and res.updates == 0:
                     self.opt.zero_grad(set_to_none=True)
                     raise Aborted
                 t0 = time.perf_counter()
-                if rows:
+                for j, rows in enumerate(chunks):
                     logp, ent, t_len = self._forward(b, rows)
                     idx = torch.tensor(rows, dtype=torch.long)
                     mask = b.mask[idx, :t_len].to(self.device)
@@ -199,7 +220,7 @@ class Learner:
                     ref = b.ref_logp[idx, :t_len].to(self.device) if b.ref_logp is not None else None
                     loss, st = policy_loss(
                         logp,
-                        old[i] if i in old else logp.detach(),
+                        old[i, j] if (i, j) in old else logp.detach(),
                         adv_rows.to(self.device),
                         mask,
                         cfg,

@@ -101,6 +101,7 @@ class JobTrainer:
             device=self.device,
             world=self.comm.world,
             rank=self.comm.rank,
+            micro_batch_tokens=settings.micro_batch_tokens,
         )
         self.state = TrainState()
         self.ckpt_groups: set[str] = set()  # the newest checkpoint's interval: may be redelivered

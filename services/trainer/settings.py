@@ -35,3 +35,12 @@ class TrainerSettings(CommonSettings):
         30.0, gt=0.0, description="Expected time between SIGTERM and SIGKILL (pre-emption); only for warnings."
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    micro_batch_tokens: int = Field(
+        4096,
+        ge=0,
+        description=(
+            "Padded tokens per forward/backward pass: rows sorted by length, run in passes of at most this "
+            "many (rows x the pass's longest row), gradients accumulated; the update is the same. Cuts "
+            "padding waste on uneven completions and bounds activation memory. 0: one pass per mini-batch."
+        ),
+    )

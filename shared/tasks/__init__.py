@@ -7,6 +7,7 @@ with the verifier, and rollout's held-out evaluation uses both.
 from __future__ import annotations
 
 from shared.tasks import arith as _arith  # noqa: F401  (registers "arith")
+from shared.tasks import countup as _countup  # noqa: F401  (registers "countup")
 from shared.tasks import synthetic as _synthetic  # noqa: F401  (registers "mathword", "code")
 from shared.tasks.base import Task, TaskItem, get_task, register_task, score_many, task_for_job, task_names
 
