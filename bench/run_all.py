@@ -92,6 +92,11 @@ def items(full: bool, out: Path) -> list[tuple[str, list[str], Path | None]]:
             b / "trl_countup.md",
         ),
         (
+            "trainer_passes",
+            [PY, "bench/trainer_passes.py", "--rounds", "7" if full else "5", "--out", str(b / "trainer_passes.md")],
+            b / "trainer_passes.md",
+        ),
+        (
             "generation",
             [PY, "bench/generation.py", "--rounds", "3" if full else "2", "--out", str(b / "generation.md")],
             b / "generation.md",
@@ -206,6 +211,12 @@ def summary(b: Path, cmds: dict[str, str]) -> list[str]:
     for name in ("trl", "trl_countup"):
         if name in cmds and (d := load(f"{name}.json")):
             rows += trl_rows(d, cmds[name], name)
+    if "trainer_passes" in cmds and (b / "trainer_passes.md").exists():
+        text = (b / "trainer_passes.md").read_text()
+        if m := re.search(r"\| (\d+) \| [0-9.]+ \| \*\*([0-9.]+x)\*\*", text):
+            rows.append(
+                (f"trainer step, micro_batch_tokens {m.group(1)} vs one padded pass", m.group(2), "", "trainer_passes")
+            )
     if "generation" in cmds and (d := load("generation.json")):
         for n in sorted(d["hf"], key=int):
             ratio = statistics.median(d["vllm"][n]) / statistics.median(d["hf"][n])
