@@ -334,6 +334,7 @@ def measure(
     cpus = split_layout() if layout == "split" else None
     e2e: dict[int, list[float]] = {s: [] for s in stalenesses}
     idle: dict[int, list[float]] = {s: [] for s in stalenesses}
+    busy: dict[int, list[float]] = {s: [] for s in stalenesses}
     alone, bus_frac, bus_ms = [], [], []
     with (
         tempfile.TemporaryDirectory(prefix="burstrl-pipe-") as tmp,
@@ -349,6 +350,13 @@ def measure(
                 e2e[st].append(res["groups_per_s"])
                 pts = res["points"][1:]  # the first step waited for the first rollouts
                 idle[st].append(statistics.median(p["idle_frac"] for p in pts))
+                # The trainer's own speed inside the job: groups over the time between its
+                # points minus the time it waited for data. Against its speed alone it splits
+                # the ratio in two: the trainer slower when sharing the machine (busy rate <
+                # alone) and the trainer waiting on the pipeline (end-to-end < busy rate).
+                seq = sorted(res["points"], key=lambda p: p["step"])[1:]
+                span = sum(b["at"] - a["at"] - b["wait_s"] for a, b in zip(seq, seq[1:], strict=False))
+                busy[st].append(sum(p["groups"] for p in seq[1:]) / span if span > 0 else float("nan"))
                 # Redis time in a trainer step: bus reads that found data + settle scripts, over the busy time.
                 bus_frac.append(statistics.median(p["bus_frac"] for p in pts))
                 bus_ms.append(statistics.median(p["bus_s"] for p in pts) * 1000)
@@ -364,6 +372,7 @@ def measure(
             "cpus": {k: sorted(v) for k, v in (cpus or {}).items()},
             "end_to_end": e2e[st],
             "trainer_idle": statistics.median(idle[st]),
+            "trainer_busy_rate": statistics.median(busy[st]),
             "bus_frac": statistics.median(bus_frac),
             "bus_ms": statistics.median(bus_ms),
         }
@@ -404,8 +413,8 @@ def report(cmd: str, steps: int, rounds: int, res: dict[str, dict[str, Any]]) ->
         "takes longer than s trainer steps, the trainer waits, however fast each stage is.",
         "",
         "| layout, job | end-to-end groups/s | rollout alone | reward alone | ref alone | trainer alone "
-        "| inference side (split) | trainer idle / step |",
-        "|---|---|---|---|---|---|---|---|",
+        "| inference side (split) | trainer idle / step | trainer's busy rate in the job (waits excluded) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in res.items():
         m = r["alone_median"]
@@ -414,7 +423,7 @@ def report(cmd: str, steps: int, rounds: int, res: dict[str, dict[str, Any]]) ->
         lines.append(
             f"| {name} | {e2e:.2f} ({', '.join(f'{x:.2f}' for x in r['end_to_end'])}) | {m.get('rollout', 0):.2f} "
             f"| {m.get('reward', 0):.2f} | {m.get('ref', 0):.2f} | {m.get('trainer', 0):.2f} | {inf:.2f} "
-            f"| {r['trainer_idle']:.2f} |"
+            f"| {r['trainer_idle']:.2f} | {r['trainer_busy_rate']:.2f} |"
         )
     lines.append("")
     for name, r in res.items():
@@ -427,6 +436,15 @@ def report(cmd: str, steps: int, rounds: int, res: dict[str, dict[str, Any]]) ->
             f"- **{name}: efficiency = end-to-end / slowest stage alone ({r['slowest']}) = {r['ratio']:.2f}**"
             f"{side} (target >= 0.9)."
         )
+        if r["slowest"] == "trainer":
+            alone_t = r["alone_median"]["trainer"]
+            e2e = statistics.median(r["end_to_end"])
+            lines.append(
+                f"  - split of that ratio: the trainer's busy rate in the job / alone = "
+                f"{r['trainer_busy_rate'] / alone_t:.2f} (the trainer itself slower while the other stages share "
+                f"the machine) x end-to-end / the trainer's busy rate = {e2e / r['trainer_busy_rate']:.2f} "
+                "(the trainer waiting for data: pipeline stalls)."
+            )
     any_r = next(iter(res.values()))
     lines += [
         "",

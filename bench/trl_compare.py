@@ -329,7 +329,7 @@ READING = {
     ),
     "countup": (
         "How to read it: completions here are ~40 tokens on average (up to 96), so generation is "
-        "most of a TRL step, as it is for real models with long reasoning. burstrl's rollout "
+        "a large share of a TRL step (the line above), as it is for real models with long reasoning. burstrl's rollout "
         "generates the next batches with vLLM while its trainer trains on the last one, and the "
         "trainer runs its forward/backward in length-sorted passes (BURSTRL_TRAINER_MICRO_BATCH_TOKENS) "
         "instead of padding every row to the longest. Both sides share the same 2 CPU cores and the "

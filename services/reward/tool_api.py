@@ -12,7 +12,6 @@ non-health route.
 from __future__ import annotations
 
 import asyncio
-import math
 from dataclasses import asdict
 
 from fastapi import APIRouter, HTTPException
@@ -49,14 +48,7 @@ class SandboxRunResponse(BaseModel):
 
 def tool_limits(settings: RewardSettings, timeout_s: float) -> Limits:
     """The service's limits for one run; only the wall clock comes from the caller."""
-    return Limits(
-        cpu_s=max(1, math.ceil(timeout_s)),
-        wall_s=timeout_s,
-        memory_mb=settings.tool_memory_mb,
-        max_output=settings.tool_max_output,
-        # The report carries the output JSON-escaped (up to 6 bytes per character) plus framing.
-        max_report=max(Limits.max_report, 6 * settings.tool_max_output + 4096),
-    )
+    return Limits.for_program(timeout_s, settings.tool_max_output, memory_mb=settings.tool_memory_mb)
 
 
 def _too_long_timeout(value: float, cap: float) -> HTTPException:

@@ -23,7 +23,6 @@ already hosts the sandbox and its isolation); empty, in this process's own sandb
 from __future__ import annotations
 
 import logging
-import math
 import random
 import re
 import textwrap
@@ -104,7 +103,7 @@ def run_tool(code: str, settings: ToolSettings) -> ProgramResult | None:
     if not settings.sandbox_url:
         t = settings.timeout_s
         try:
-            return run_program(code, "", Limits(cpu_s=max(1, math.ceil(t)), wall_s=t, max_output=LOCAL_MAX_OUTPUT))
+            return run_program(code, "", Limits.for_program(t, LOCAL_MAX_OUTPUT))
         except SandboxUnavailable as e:
             log.warning("python tool: local sandbox unavailable: %s", e)
             return None

@@ -88,6 +88,19 @@ class Limits:
     max_output: int = 1 << 20  # characters of stdout kept per test
     max_report: int = 4 << 20  # bytes of the whole report
 
+    @classmethod
+    def for_program(cls, timeout_s: float, max_output: int, memory_mb: int = 256) -> Limits:
+        """One tool-style program run: `timeout_s` of wall clock (and as much CPU, whole
+        seconds), `max_output` characters of stdout, room in the report for them."""
+        return cls(
+            cpu_s=max(1, math.ceil(timeout_s)),
+            wall_s=timeout_s,
+            memory_mb=memory_mb,
+            max_output=max_output,
+            # The report carries the output JSON-escaped (up to 6 bytes per character) plus framing.
+            max_report=max(cls.max_report, 6 * max_output + 4096),
+        )
+
 
 @dataclass
 class TestResult:
