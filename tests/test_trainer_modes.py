@@ -35,19 +35,21 @@ def _groups(n: int = 2, g: int = 2) -> list[GroupMsg]:
             )
             for j in range(g)
         ]
-        out.append(
-            GroupMsg(
-                job_id="j",
-                group_id=f"g{i}",
-                item_id=str(i),
-                prompt="p",
-                prompt_ids=pack_i32([5, 6, 7]),
-                policy_version=0,
-                completions=comps,
-                stage="ready",
-            )
-        )
+        out.append(_group(i, comps, [5, 6, 7]))
     return out
+
+
+def _group(i: int, comps: list[Completion], prompt_ids: list[int]) -> GroupMsg:
+    return GroupMsg(
+        job_id="j",
+        group_id=f"g{i}",
+        item_id=str(i),
+        prompt="p",
+        prompt_ids=pack_i32(prompt_ids),
+        policy_version=0,
+        completions=comps,
+        stage="ready",
+    )
 
 
 def _spec(model_dir: Path, **algorithm) -> JobSpec:  # noqa: ANN003
@@ -123,18 +125,7 @@ def _uneven_groups(n: int = 3, g: int = 4) -> list[GroupMsg]:
                     reward=float((i + j) % 3),
                 )
             )
-        out.append(
-            GroupMsg(
-                job_id="j",
-                group_id=f"g{i}",
-                item_id=str(i),
-                prompt="p",
-                prompt_ids=pack_i32([5, 6, 7][: 1 + i % 3]),
-                policy_version=0,
-                completions=comps,
-                stage="ready",
-            )
-        )
+        out.append(_group(i, comps, [5, 6, 7][: 1 + i % 3]))
     return out
 
 

@@ -13,22 +13,43 @@ RECIPE = "arith-slip0-sft600x128-v2"
 
 
 def ensure_tiny_model(out: Path, *, force: bool = False, log: Callable[[str], None] = print) -> Path:
-    out = out.resolve()
-    if (out / DONE).exists() and not force:
-        if json.loads((out / DONE).read_text()).get("recipe") == RECIPE:
-            return out
     from services.trainer.sft import sft_warm_start
+
+    return _build_once(
+        out,
+        RECIPE,
+        what="tiny model",
+        sft=("SFT warm-start with TRL (about a minute on 2 cores)", lambda base, out: sft_warm_start(base, out)),
+        force=force,
+        log=log,
+    )
+
+
+def _build_once(
+    out: Path,
+    recipe: str,
+    *,
+    what: str,
+    sft: tuple[str, Callable[[Path, Path], object]],
+    force: bool,
+    log: Callable[[str], None],
+) -> Path:
+    """Random-init tiny model in `out`-base, then `sft` (a log line, a base -> out trainer) into
+    `out`; skipped when `out` already holds this recipe's model."""
+    out = out.resolve()
+    if (out / DONE).exists() and not force and json.loads((out / DONE).read_text()).get("recipe") == recipe:
+        return out
     from services.trainer.tiny_model import build_model
 
     base = out.parent / (out.name + "-base")
     shutil.rmtree(base, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
-    log(f"building tiny model in {base}")
+    log(f"building the {what} in {base}")
     build_model(base)
-    log("SFT warm-start with TRL (about a minute on 2 cores)")
-    sft_warm_start(base, out)
+    log(sft[0])
+    sft[1](base, out)
     shutil.rmtree(out / "_sft_run", ignore_errors=True)
-    (out / DONE).write_text(json.dumps({"base": str(base), "recipe": RECIPE}))
+    (out / DONE).write_text(json.dumps({"base": str(base), "recipe": recipe}))
     return out
 
 
@@ -60,22 +81,19 @@ COUNTUP_RECIPE = "countup-slip-sft600x128-v1"
 
 
 def ensure_countup_model(out: Path, *, force: bool = False, log: Callable[[str], None] = print) -> Path:
-    out = out.resolve()
-    if (out / DONE).exists() and not force and json.loads((out / DONE).read_text()).get("recipe") == COUNTUP_RECIPE:
-        return out
     from services.trainer.sft import sft_warm_start
-    from services.trainer.tiny_model import build_model
 
-    base = out.parent / (out.name + "-base")
-    shutil.rmtree(base, ignore_errors=True)
-    shutil.rmtree(out, ignore_errors=True)
-    log(f"building the counting tiny model in {base}")
-    build_model(base)
-    log("SFT warm-start on 'countup' traces (a few minutes on 2 cores)")
-    sft_warm_start(base, out, task_name="countup")
-    shutil.rmtree(out / "_sft_run", ignore_errors=True)
-    (out / DONE).write_text(json.dumps({"base": str(base), "recipe": COUNTUP_RECIPE}))
-    return out
+    return _build_once(
+        out,
+        COUNTUP_RECIPE,
+        what="counting tiny model",
+        sft=(
+            "SFT warm-start on 'countup' traces (about 10 minutes on 2 cores)",
+            lambda base, out: sft_warm_start(base, out, task_name="countup"),
+        ),
+        force=force,
+        log=log,
+    )
 
 
 # The tool-use demo's model: the tiny architecture SFT'd on 3-digit sums ("arith3"), where
@@ -104,20 +122,17 @@ def ensure_python_model(out: Path, *, force: bool = False, log: Callable[[str], 
 def _ensure_tool_model(
     out: Path, task: str, recipe: str, *, force: bool = False, log: Callable[[str], None] = print
 ) -> Path:
-    out = out.resolve()
-    if (out / DONE).exists() and not force and json.loads((out / DONE).read_text()).get("recipe") == recipe:
-        return out
-    from services.trainer.tiny_model import build_model
-
-    base = out.parent / (out.name + "-base")
-    shutil.rmtree(base, ignore_errors=True)
-    shutil.rmtree(out, ignore_errors=True)
-    log(f"building the tool-use tiny model in {base}")
-    build_model(base)
-    log(f"SFT warm-start on {task!r} tool-call demonstrations (a minute or two on 2 cores)")
-    _sft_tool_use(base, out, task=task)
-    (out / DONE).write_text(json.dumps({"base": str(base), "recipe": recipe}))
-    return out
+    return _build_once(
+        out,
+        recipe,
+        what="tool-use tiny model",
+        sft=(
+            f"SFT warm-start on {task!r} tool-call demonstrations (a minute or two on 2 cores)",
+            lambda base, out: _sft_tool_use(base, out, task=task),
+        ),
+        force=force,
+        log=log,
+    )
 
 
 # Where each tool-use task's demonstration ends the model's call (its environment's stop
