@@ -378,18 +378,13 @@ def measure(
         }
         if alone:
             med = {s: statistics.median(x[s] for x in alone) for s in alone[0]}
-            sides = side_rates(med)
             e2e_med = statistics.median(e2e[st])
-            slowest, slowest_side = min(med, key=med.get), min(sides, key=sides.get)
-            r |= {
-                "alone": alone,
-                "alone_median": med,
-                "sides": sides,
-                "slowest": slowest,
-                "ratio": e2e_med / med[slowest],
-                "slowest_side": slowest_side,
-                "ratio_side": e2e_med / sides[slowest_side],
-            }
+            slowest = min(med, key=med.get)
+            r |= {"alone": alone, "alone_median": med, "slowest": slowest, "ratio": e2e_med / med[slowest]}
+            if layout == "split":  # shared: every stage can use every core, sides mean nothing
+                sides = side_rates(med)
+                slowest_side = min(sides, key=sides.get)
+                r |= {"sides": sides, "slowest_side": slowest_side, "ratio_side": e2e_med / sides[slowest_side]}
         out[f"{layout}, max_staleness {st}"] = r
     return out
 

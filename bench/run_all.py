@@ -159,7 +159,7 @@ def trl_rows(d: list[dict[str, Any]], cmd: str, name: str) -> list[tuple[str, st
         mine = [r for r in ok if r["mode"] == mode]
         rs = found.get(mode)
         ratio = f"{statistics.median(rs):.2f}x" if rs else "threshold not reached by both"
-        label = mode.replace("5 services, ", "")
+        label = f"max_staleness {mine[0]['staleness']}"
         rows.append((f"{task}: TRL time to acc {thr} / burstrl's ({label})", ratio, ">= 1.5x", name))
         sps = statistics.median(r["samples_per_s"] for r in mine)
         acc = statistics.median(r["evals"][-1]["accuracy"] for r in mine)

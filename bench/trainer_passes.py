@@ -96,7 +96,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     budgets = [int(x) for x in a.budgets.split(",")]
     model_dir = str(ensure_model(a.task))
-    groups = sample_batch(model_dir, a.task, WORKLOADS[a.task][1])
+    groups = sample_batch(model_dir, a.task, WORKLOADS[a.task].max_tokens)
     lengths = [len(unpack_f32(c.logprobs)) for g in groups for c in g.completions]
     spec = JobSpec(
         base_model=model_dir, task=a.task, group_size=G, batch_size=BATCH, steps=10, kl_coef=0.001, lora_rank=16

@@ -28,6 +28,7 @@ TRL's default transformers generation.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -36,7 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -45,18 +46,31 @@ from bench.plots import accuracy_curves  # noqa: E402
 
 MODELS = ROOT / ".burstrl" / "models"
 G, BATCH, KL, EVAL_N, EVAL_K = 16, 8, 0.001, 64, 4
-# task -> (its SFT'd tiny model, max new tokens). "arith" answers in a few tokens, so a step is
-# mostly the optimizer's; "countup" writes up to ~90 (shared/tasks/countup.py), so generation
-# is most of a step, as with real models and long reasoning.
-WORKLOADS: dict[str, tuple[Path, int]] = {"arith": (MODELS / "tiny-sft", 6), "countup": (MODELS / "tiny-countup", 96)}
-LR = {"arith": 1e-3, "countup": 5e-4}  # the default learning rate per task (--lr overrides it, for both sides)
+
+
+class Workload(NamedTuple):
+    """A task of the comparison: its SFT'd tiny model, max new tokens, default learning rate
+    (--lr overrides it, for both sides)."""
+
+    model: Path
+    max_tokens: int
+    lr: float
+
+
+# "arith" answers in a few tokens, so a step is mostly the optimizer's; "countup" writes up to
+# ~90 (shared/tasks/countup.py), so generation is a large share of a step, as with real models
+# and long reasoning.
+WORKLOADS = {
+    "arith": Workload(MODELS / "tiny-sft", 6, 1e-3),
+    "countup": Workload(MODELS / "tiny-countup", 96, 5e-4),
+}
 
 
 def ensure_model(task: str) -> Path:
     """The workload's model, built offline on first use."""
     from services.cli.model import ensure_countup_model, ensure_tiny_model
 
-    path = WORKLOADS[task][0]
+    path = WORKLOADS[task].model
     return (ensure_countup_model if task == "countup" else ensure_tiny_model)(path)
 
 
@@ -91,7 +105,7 @@ def heldout_accuracy(model: Any, tok: Any, version: int, task_name: str) -> floa
             temperature=1.0,
             top_p=1.0,
             top_k=0,
-            max_new_tokens=WORKLOADS[task_name][1],
+            max_new_tokens=WORKLOADS[task_name].max_tokens,
             num_return_sequences=EVAL_K,
             pad_token_id=tok.pad_token_id,
         )
@@ -125,8 +139,7 @@ def evaluate_versions(
         for v in sorted(times):
             dest = Path(tmp) / f"v{v}"  # a fresh folder per version, as rollout does
             fetch_version(store, job_id, v, dest)
-            fresh = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-            policy = PeftModel.from_pretrained(fresh, str(dest))
+            policy = PeftModel.from_pretrained(copy.deepcopy(base), str(dest))
             evals.append({"version": v, "t": round(times[v], 2), "accuracy": heldout_accuracy(policy, tok, v, task)})
     return evals
 
@@ -170,7 +183,7 @@ def run_trl(model: str, task_name: str, steps: int, lr: float, mode: str, seed: 
         loss_type="dapo",  # token-mean, as burstrl's default aggregation
         scale_rewards="group",  # (r - mean) / std per group, as burstrl's "grpo" advantage
         temperature=1.0,
-        max_completion_length=WORKLOADS[task_name][1],
+        max_completion_length=WORKLOADS[task_name].max_tokens,
         use_vllm=mode == "colocate",
         vllm_mode="colocate",
         vllm_max_model_length=256,
@@ -291,7 +304,7 @@ def burstrl_job(
         "max_staleness": staleness,
         "eval_size": eval_size,
         "seed": seed,
-        "sampling": {"temperature": 1.0, "max_tokens": WORKLOADS[task][1]},
+        "sampling": {"temperature": 1.0, "max_tokens": WORKLOADS[task].max_tokens},
     }
 
 
@@ -355,7 +368,7 @@ def ratios(results: list[dict[str, Any]], threshold: float) -> dict[str, list[fl
 def report(results: list[dict[str, Any]], threshold: float, cmd: str, notes: list[str], task: str, lr: float) -> str:
     lines = [f"## Against TRL (GRPOTrainer), task {task}", "", f"`{cmd}`", ""]
     lines += [
-        f"Same model, task, G={G}, batch {BATCH} prompts, lr {lr}, LoRA r16/a32, KL {KL}, max {WORKLOADS[task][1]} new tokens, "
+        f"Same model, task, G={G}, batch {BATCH} prompts, lr {lr}, LoRA r16/a32, KL {KL}, max {WORKLOADS[task].max_tokens} new tokens, "
         f"same steps. Held-out accuracy: one evaluator for both sides, off both clocks ({EVAL_N} held-out prompts "
         f"x {EVAL_K} samples at T=1 with HF generate, seeded per version; burstrl's published versions are fetched "
         f"from its object store afterwards). Threshold {threshold:.2f}. burstrl's clock runs from job submission "
@@ -422,7 +435,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="Alternating rounds (burstrl settings, then TRL).")
     ap.add_argument("--staleness", default="1,2", help="burstrl's max_staleness settings, comma-separated.")
     ap.add_argument("--task", choices=sorted(WORKLOADS), default="arith", help="The workload (see WORKLOADS).")
-    ap.add_argument("--lr", type=float, default=0.0, help="Learning rate of both sides (default: the task's, LR).")
+    ap.add_argument("--lr", type=float, default=0.0, help="Learning rate of both sides (default: the task's).")
     ap.add_argument("--model", default="", help="The SFT'd model (default: the task's, built on first use).")
     ap.add_argument("--side", choices=["both", "trl", "burstrl"], default="both")
     ap.add_argument("--trl-mode", choices=["colocate", "hf", "auto"], default="auto")
@@ -430,7 +443,7 @@ def main() -> None:
     ap.add_argument("--result", type=Path, help="(internal) where a --side trl run writes its JSON")
     ap.add_argument("--out", type=Path, default=None, help="Write the markdown here (and .json/.png beside it).")
     a = ap.parse_args()
-    a.lr = a.lr or LR[a.task]
+    a.lr = a.lr or WORKLOADS[a.task].lr
     if a.side == "trl" and a.result:  # the subprocess
         res = run_trl(
             a.model, a.task, a.steps, a.lr, "colocate" if a.trl_mode == "auto" else a.trl_mode, a.seed, a.result.parent

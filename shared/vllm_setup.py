@@ -136,9 +136,9 @@ def patch_cpu_lora_ops() -> bool:
         from vllm.lora.punica_wrapper import punica_cpu
     except ImportError:
         return False
+    if not all(hasattr(lora_ops, name) for name in PATCHED_LORA_OPS):
+        return False  # another vLLM: patch all or nothing
     for name, fn in PATCHED_LORA_OPS.items():
-        if not hasattr(lora_ops, name):
-            return False
         setattr(lora_ops, name, fn)  # sgmv_* call these through the module's globals
         if hasattr(punica_cpu, name):
             setattr(punica_cpu, name, fn)

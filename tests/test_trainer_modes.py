@@ -166,11 +166,11 @@ def test_micro_batch_passes_cover_each_row_once_within_the_budget(model_dir):
     lengths = b.attention_mask.sum(dim=1).tolist()
     rows = list(range(len(lengths)))
     for budget in (1, 16, 24, 10_000):
-        passes = Learner(model, spec, pad_id=0, grad_clip=1.0, micro_batch_tokens=budget)._chunks(b, rows)
+        passes = Learner(model, spec, pad_id=0, grad_clip=1.0, micro_batch_tokens=budget)._chunks(lengths, rows)
         assert sorted(r for p in passes for r in p) == rows
         for p in passes:
             assert len(p) == 1 or len(p) * max(lengths[r] for r in p) <= budget
         flat = [lengths[r] for p in passes for r in p]
         assert flat == sorted(flat, reverse=True)  # longest first: a pass pads to its first row
-    assert Learner(model, spec, pad_id=0, grad_clip=1.0, micro_batch_tokens=0)._chunks(b, rows) == [rows]
-    assert len(Learner(model, spec, pad_id=0, grad_clip=1.0, micro_batch_tokens=10_000)._chunks(b, rows)) == 1
+    assert Learner(model, spec, pad_id=0, grad_clip=1.0, micro_batch_tokens=0)._chunks(lengths, rows) == [rows]
+    assert len(Learner(model, spec, pad_id=0, grad_clip=1.0, micro_batch_tokens=10_000)._chunks(lengths, rows)) == 1

@@ -105,15 +105,14 @@ class Learner:
         logp, ent = token_logprobs_and_entropy(logits, ids[:, 1:])
         return logp, ent, length - 1
 
-    def _chunks(self, b: Batch, rows: list[int]) -> list[list[int]]:
+    def _chunks(self, lengths: list[int], rows: list[int]) -> list[list[int]]:
         """`rows` as forward/backward passes: longest first, each at most `micro_batch_tokens`
         padded tokens (rows x its longest row; at least one row). One pass pads every row to
         the batch's longest; with long, uneven completions that is most of the compute. The
         losses carry the mini-batch's token and sequence counts, so accumulating the passes'
-        gradients gives the same update as one pass."""
-        if not rows or self.micro_batch_tokens <= 0:
+        gradients gives the same update as one pass. `lengths`: every row's unpadded length."""
+        if self.micro_batch_tokens <= 0:
             return [rows] if rows else []
-        lengths = b.attention_mask.sum(dim=1).tolist()
         order = sorted(rows, key=lambda r: -lengths[r])
         out: list[list[int]] = []
         for r in order:
@@ -190,7 +189,8 @@ class Learner:
             (float(b.mask[[r for gi in mb for r in range(gi * g_size, (gi + 1) * g_size)]].sum()), len(mb) * g_size)
             for mb in mbs
         ]
-        passes = [self._chunks(b, rows) for rows in local]
+        lengths = b.attention_mask.sum(dim=1).tolist()
+        passes = [self._chunks(lengths, rows) for rows in local]
         res = StepResult(tokens=b.tokens)
         self.model.train()
         t0 = time.perf_counter()
