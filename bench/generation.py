@@ -6,7 +6,7 @@ this measures the second part on this machine, for the tiny model, at several co
 lengths. Both sides sample the same batch shape as a GRPO step (8 prompts x G=16
 completions, temperature 1) with exactly L new tokens each (EOS suppressed until L, so
 both do the same work), base weights, fp32, the machine's cores:
-- **vllm**: `vllm.LLM` with the rollout service's CPU setup (`shared/vllm_setup`: engine
+- **vllm**: `vllm.LLM` with the rollout service's CPU setup (`shared/engines/vllm_setup`: engine
   core inline, warm-up), per-token log-probs on, as rollout asks for them;
 - **hf**: `model.generate(do_sample=True, num_return_sequences=16)`, what TRL's
   GRPOTrainer calls without vLLM.
@@ -66,7 +66,7 @@ def run_hf(model: str, lengths: list[int], reps: int) -> dict[int, list[float]]:
 
 
 def run_vllm(model: str, lengths: list[int], reps: int) -> dict[int, list[float]]:
-    from shared.vllm_setup import prepare_cpu_engine_env, warm_up
+    from shared.engines.vllm_setup import prepare_cpu_engine_env, warm_up
 
     prepare_cpu_engine_env()
     from vllm import LLM, SamplingParams

@@ -3,7 +3,7 @@
 Each case builds a random-init Qwen2 model (tiny/small configs, no download), runs GRPO-style
 steps (forward over prompt+completion, fp32 log-softmax on completion positions, clipped-ratio
 loss, backward, AdamW) in a fresh subprocess, and records the peak of live allocator bytes.
-`shared.plan.memory.trainer_memory` predicts the same number; the table of both and the error
+`services.plan.memory.trainer_memory` predicts the same number; the table of both and the error
 goes to docs/plan_calibration.md.
 
 How peak memory is measured, and why this way: torch's profiler with `profile_memory=True`
@@ -35,8 +35,8 @@ from pydantic import BaseModel
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from shared.plan.memory import Method, TrainerSettings, Workload, trainer_memory  # noqa: E402
-from shared.plan.model_shape import ModelShape  # noqa: E402
+from services.plan.memory import Method, TrainerSettings, Workload, trainer_memory  # noqa: E402
+from services.plan.model_shape import ModelShape  # noqa: E402
 
 # Random-init Qwen2 shapes: "tiny" keeps a CI test fast; "small" has a realistic ratio of
 # vocab to hidden (the log-prob tensors matter) and enough layers for activations to dominate.
@@ -230,7 +230,7 @@ def write_report(rows: list[tuple[Case, dict[str, float]]], path: Path, command:
         "",
         f"Produced by `{command}` (torch CPU, random-init Qwen2, 2 GRPO steps per case, fresh process each).",
         "Measured = peak live tensor bytes from torch's memory profiler (allocator events); RSS delta (which also",
-        "holds profiler buffers and lazily imported modules) is a cross-check only. Estimate = `shared.plan.memory.trainer_memory` with GPU overheads set to zero.",
+        "holds profiler buffers and lazily imported modules) is a cross-check only. Estimate = `services.plan.memory.trainer_memory` with GPU overheads set to zero.",
         "",
         "| config | method | dtype | micro-batch x tokens | accum | ckpt | estimate MiB | measured MiB | error | RSS delta MiB |",
         "|---|---|---|---|---|---|---|---|---|---|",

@@ -30,8 +30,8 @@ def sample_batch(model_dir: str, task_name: str, max_tokens: int) -> list:  # no
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from shared.domain.tasks import get_task
     from shared.schema import Completion, GroupMsg, pack_f32, pack_i32, pack_u8
-    from shared.tasks import get_task
 
     torch.manual_seed(0)
     task = get_task(task_name)

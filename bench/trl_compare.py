@@ -58,7 +58,7 @@ class Workload(NamedTuple):
 
 
 # "arith" answers in a few tokens, so a step is mostly the optimizer's; "countup" writes up to
-# ~90 (shared/tasks/countup.py), so generation is a large share of a step, as with real models
+# ~90 (shared/domain/tasks/countup.py), so generation is a large share of a step, as with real models
 # and long reasoning.
 WORKLOADS = {
     "arith": Workload(MODELS / "tiny-sft", 6, 1e-3),
@@ -68,7 +68,7 @@ WORKLOADS = {
 
 def ensure_model(task: str) -> Path:
     """The workload's model, built offline on first use."""
-    from services.cli.model import ensure_countup_model, ensure_tiny_model
+    from shared.ml.models import ensure_countup_model, ensure_tiny_model
 
     path = WORKLOADS[task].model
     return (ensure_countup_model if task == "countup" else ensure_tiny_model)(path)
@@ -90,7 +90,7 @@ def heldout_accuracy(model: Any, tok: Any, version: int, task_name: str) -> floa
     """
     import torch
 
-    from shared.tasks import get_task
+    from shared.domain.tasks import get_task
 
     task = get_task(task_name)
     held = task.heldout_items(EVAL_N)
@@ -155,7 +155,7 @@ def run_trl(model: str, task_name: str, steps: int, lr: float, mode: str, seed: 
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from shared.tasks import get_task
+    from shared.domain.tasks import get_task
 
     torch.set_num_threads(os.cpu_count() or 2)
     task = get_task(task_name)

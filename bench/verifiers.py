@@ -14,8 +14,8 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from shared.sandbox import check_isolation, settings
-from shared.verifiers import get_verifier
+from shared.domain.sandbox import check_isolation, settings
+from shared.domain.verifiers import get_verifier
 
 MATH = [
     ("\\boxed{\\frac{2}{4}}", "\\frac12"),

@@ -29,7 +29,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "configs"
-PLAN_CMD = [".venv/bin/python", "-m", "shared.plan"]
+PLAN_CMD = [".venv/bin/python", "-m", "services.plan"]
 
 # Planner card name -> the short device name used in file names.
 DEVICE = {"h200": "h200", "h100": "h100", "rtx4070": "rtx4070", "mi50-32": "mi50", "mi50-16": "mi50"}
@@ -418,7 +418,7 @@ def main() -> int:
     for lay in LAYOUTS:
         argv = plan_argv(lay)
         proc = subprocess.run(
-            [sys.executable, "-m", "shared.plan", *argv], cwd=ROOT, capture_output=True, text=True, check=False
+            [sys.executable, "-m", "services.plan", *argv], cwd=ROOT, capture_output=True, text=True, check=False
         )
         if proc.returncode != 0:
             print(f"{lay.model} on {lay.cards}: planner says it does not fit:\n{proc.stdout}{proc.stderr}")

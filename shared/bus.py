@@ -1,6 +1,6 @@
 """The trajectory bus: Redis streams read through consumer groups.
 
-Guarantees (ARCHITECTURE invariants 2, 3, 8):
+Guarantees (docs/architecture.md, invariants 2, 3, 8):
 - a middle stage forwards with `forward()`: XACK upstream, then XADD downstream and the
   ledger counters, in one server-side script, so an entry is either handed on and
   acknowledged, or neither (a crash in between leaves it pending, to be reclaimed and

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared import keys
-from shared.envs.spec import EnvSpec
-from shared.tasks.spec import TaskSpec
+from shared.domain.envs.spec import EnvSpec
+from shared.domain.tasks.spec import TaskSpec
 
 if TYPE_CHECKING:
     import redis
@@ -33,7 +33,7 @@ class JobState(StrEnum):
 
 
 class SamplingSpec(BaseModel):
-    """How rollout samples. Temperature 1 keeps sampler log-probs exact (see ARCHITECTURE)."""
+    """How rollout samples. Temperature 1 keeps sampler log-probs exact (see docs/architecture.md, "Weight sync")."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -203,7 +203,7 @@ class JobSpec(BaseModel):
 
     @property
     def inflight_window(self) -> int:
-        """Groups allowed beyond what the trainer consumed (ARCHITECTURE invariant 4)."""
+        """Groups allowed beyond what the trainer consumed (docs/architecture.md, invariant 4)."""
         return (self.max_staleness + 1) * self.batch_size
 
 

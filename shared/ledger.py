@@ -7,7 +7,7 @@ Counters (a Redis hash per job, bumped in the same atomic step that moves an ent
 - `dropped_<reason>`: groups the trainer discarded (stale, zero_variance, too_long, ...);
 - `dead`: entries moved to the dead-letter stream.
 
-Invariant (ARCHITECTURE 3): fed = trained + dropped + dead + in flight. Because every
+Invariant (docs/architecture.md, invariant 3): fed = trained + dropped + dead + in flight. Because every
 move is one server-side step (XADD downstream + XACK upstream + counter), a group is
 at any instant in exactly one place: unacknowledged in one stage stream, or counted as
 consumed. `audit()` checks that in one atomic snapshot: the in-flight figure the

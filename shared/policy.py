@@ -1,7 +1,7 @@
 """Policy versions in the object store: immutable folders, manifest written last.
 
 Layout: jobs/{job}/policy/v{N}/{adapter_model.safetensors, adapter_config.json,
-manifest.json}. A version exists once manifest.json does (ARCHITECTURE invariant 5);
+manifest.json}. A version exists once manifest.json does (docs/architecture.md, invariant 5);
 readers verify every file's sha256 against it before use.
 """
 

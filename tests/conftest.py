@@ -130,7 +130,7 @@ def make_bucket(endpoint: str, name: str) -> None:
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     """The tiny SFT'd model, built once and cached under .burstrl/ (as `make demo` does)."""
-    from services.cli.model import ensure_tiny_model
+    from shared.ml.models import ensure_tiny_model
 
     return ensure_tiny_model(MODEL_CACHE)
 

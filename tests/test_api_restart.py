@@ -23,9 +23,9 @@ import pytest
 from services.cli.launch import Launcher, alive, free_port
 from shared import keys
 from shared.bus import FIELD
+from shared.domain.tasks import task_for_job
 from shared.job import JobSpec
 from shared.schema import PromptMsg, decode
-from shared.tasks import task_for_job
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "restart-test-token-0123456789"

@@ -43,11 +43,11 @@ from services.ref.__main__ import RefSettings
 from services.reward.settings import RewardSettings
 from services.rollout.settings import RolloutSettings
 from services.trainer.settings import TrainerSettings
-from shared.envs.python_tool import ToolSettings
+from shared.domain.envs.python_tool import ToolSettings
+from shared.domain.sandbox import SandboxSettings
+from shared.domain.tasks import task_names
 from shared.job import JobSpec
-from shared.sandbox import SandboxSettings
 from shared.settings import DEFAULT_PORTS, CommonSettings
-from shared.tasks import task_names
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose"
@@ -642,10 +642,10 @@ def job_part(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_plan(command: str) -> tuple[int, dict[str, Any]]:
-    from shared.plan.cli import main as plan_main
+    from services.plan.cli import main as plan_main
 
     argv = shlex.split(command)
-    assert argv[:3] == [".venv/bin/python", "-m", "shared.plan"] and argv[-1] == "--json", command
+    assert argv[:3] == [".venv/bin/python", "-m", "services.plan"] and argv[-1] == "--json", command
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         code = plan_main(argv[3:])

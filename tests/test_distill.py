@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.cli.model import ensure_teacher_model
+from shared.ml.models import ensure_teacher_model
 from tests.conftest import ROOT, service_stack, wait_for
 
 ROLES = ["api", "reward", "ref", "rollout", "trainer"]

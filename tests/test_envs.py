@@ -21,15 +21,15 @@ from services.rollout.settings import RolloutSettings
 from services.rollout.worker import RolloutWorker
 from shared import keys
 from shared.bus import FIELD
-from shared.envs import EnvError, StepResult, env_names, load_env_plugins, make_env, register_env
-from shared.envs.calc import CalcError, calc
+from shared.domain.envs import EnvError, StepResult, env_names, load_env_plugins, make_env, register_env
+from shared.domain.envs.calc import CalcError, calc
+from shared.domain.tasks import get_task
+from shared.domain.verifiers import TAG_SEP
 from shared.job import JobSpec
 from shared.metrics import read_points
 from shared.schema import GroupMsg, PromptMsg, decode, encode, unpack_f32, unpack_i32, unpack_u8
 from shared.service import ServiceRuntime
 from shared.store import FileStore
-from shared.tasks import get_task
-from shared.verifiers import TAG_SEP
 
 
 def calc_policy(context: str) -> str:
@@ -92,7 +92,7 @@ def test_registry_and_plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(EnvError, match="rejected its args"):
         make_env("calc", {"bogus": 1})
     (tmp_path / "my_env_plugin.py").write_text(
-        "from shared.envs import StepResult, register_env\n"
+        "from shared.domain.envs import StepResult, register_env\n"
         "class Echo:\n    name = 'echo'\n    stop = ()\n"
         "    def reset(self, prompt, fields): return prompt\n"
         "    def step(self, text): return StepResult(done=True, answer=text)\n"

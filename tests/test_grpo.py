@@ -5,24 +5,25 @@ import math
 import pytest
 import torch
 
-from services.trainer.grpo import (
-    LossConfig,
-    aggregate,
+from services.trainer.advantages import (
     compute_advantages,
     group_advantages,
+    kl_penalised_rewards,
+    rloo_advantages,
+    zero_variance_groups,
+)
+from services.trainer.losses import (
+    LossConfig,
+    aggregate,
     kl_k1,
     kl_k2,
     kl_k3,
-    kl_penalised_rewards,
     lr_lambda,
     masked_mean,
     mismatch_weights,
     policy_loss,
-    rloo_advantages,
-    token_logprobs,
-    token_logprobs_and_entropy,
-    zero_variance_groups,
 )
+from shared.ml.logprobs import token_logprobs, token_logprobs_and_entropy
 
 
 def test_group_advantages_are_zero_mean_unit_std_per_group():

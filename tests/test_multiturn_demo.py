@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from services.cli.demo import DEMO_CALC_JOB
-from services.cli.model import ensure_calc_model
+from shared.ml.models import ensure_calc_model
 from tests.conftest import ROOT, service_stack, wait_for
 
 ROLES = ["api", "reward", "rollout", "trainer"]  # no KL term and no teacher: no ref stage

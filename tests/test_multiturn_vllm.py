@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.cli.model import ensure_calc_model
 from services.rollout.engine import Engine, SamplingConfig
 from services.rollout.episodes import new_episode, run_episodes
+from shared.domain.tasks import get_task
 from shared.job import JobSpec
-from shared.tasks import get_task
+from shared.ml.models import ensure_calc_model
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Tests for the resource planner (shared/plan): shapes, cards, memory math, placement, CLI,
+"""Tests for the resource planner (services/plan): shapes, cards, memory math, placement, CLI,
 and a calibration of the trainer memory model against measured CPU training steps."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.plan.catalog import Catalog, normalize_name, parse_card_spec
-from shared.plan.cli import main
-from shared.plan.memory import (
+from services.plan.catalog import Catalog, normalize_name, parse_card_spec
+from services.plan.cli import main
+from services.plan.memory import (
     GB,
     Method,
     ServeSettings,
@@ -25,8 +25,8 @@ from shared.plan.memory import (
     serve_weight_bytes,
     trainer_memory,
 )
-from shared.plan.model_shape import find_cached_config, resolve_shape
-from shared.plan.placement import plan
+from services.plan.model_shape import find_cached_config, resolve_shape
+from services.plan.placement import plan
 
 REPO = Path(__file__).resolve().parent.parent
 TOLERANCE = 0.05  # the error docs/plan.md states for trainer tensor memory
@@ -178,7 +178,7 @@ def test_cli_json_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_shared_plan_never_imports_torch() -> None:
-    code = "import sys, shared.plan.cli; assert not {'torch', 'vllm'} & set(sys.modules), 'heavy import'"
+    code = "import sys, services.plan.cli; assert not {'torch', 'vllm'} & set(sys.modules), 'heavy import'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 

@@ -17,11 +17,11 @@ import httpx
 import pytest
 
 from services.cli.launch import Launcher, free_port
-from shared.envs import EnvError, make_env
-from shared.envs import python_tool as pt
-from shared.envs.python_tool import PythonEnv, ToolSettings
-from shared.sandbox import Limits, check_isolation, run_program
-from shared.tasks import get_task
+from shared.domain.envs import EnvError, make_env
+from shared.domain.envs import python_tool as pt
+from shared.domain.envs.python_tool import PythonEnv, ToolSettings
+from shared.domain.sandbox import Limits, check_isolation, run_program
+from shared.domain.tasks import get_task
 
 ok, why = check_isolation()
 pytestmark = pytest.mark.skipif(not ok, reason=f"sandbox unavailable here: {why}")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.sandbox import HARNESS_PATH, Limits, RunResult, check_isolation, run_code, settings
+from shared.domain.sandbox import HARNESS_PATH, Limits, RunResult, check_isolation, run_code, settings
 
 ok, why = check_isolation()
 pytestmark = pytest.mark.skipif(not ok, reason=f"sandbox unavailable here: {why}")

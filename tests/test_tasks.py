@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from services.reward.scorer import GroupWork, Scorer
+from shared.domain.sandbox import check_isolation
+from shared.domain.tasks import get_task, score_many, task_for_job, task_names
+from shared.domain.tasks.arith import ArithTask
+from shared.domain.tasks.spec import TaskSpec, render_template
 from shared.job import JobSpec
-from shared.sandbox import check_isolation
-from shared.tasks import get_task, score_many, task_for_job, task_names
-from shared.tasks.arith import ArithTask
-from shared.tasks.spec import TaskSpec, render_template
 
 
 def job(**kw: object) -> JobSpec:
@@ -36,7 +36,7 @@ def test_arith_is_unchanged_by_default() -> None:
 def test_countup_scores_the_whole_count_and_its_demos_fit_the_budget() -> None:
     import random
 
-    from shared.tasks.countup import MAX_COMPLETION_TOKENS
+    from shared.domain.tasks.countup import MAX_COMPLETION_TOKENS
 
     t = get_task("countup")
     f = {"answer": "12", "start": "9"}
@@ -183,7 +183,7 @@ def work(task: str, completions: list[str], fields: dict[str, str], spec: dict |
 
 def test_scorer_in_processes_with_deadline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "slow_rm_plugin.py").write_text(
-        "import time\nfrom shared.verifiers import register_verifier\n"
+        "import time\nfrom shared.domain.verifiers import register_verifier\n"
         "@register_verifier('slow_test')\n"
         "def slow(completions, **_):\n    time.sleep(30)\n    return [1.0] * len(completions)\n"
     )

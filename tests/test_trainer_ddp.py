@@ -24,7 +24,7 @@ GROUPS, G = 6, 4
 
 
 def tiny_model(root: Path) -> Path:
-    from services.trainer.tiny_model import build_model
+    from shared.ml.tiny_model import build_model
 
     out = root / "tiny"
     if not (out / "config.json").exists():

@@ -15,7 +15,7 @@ from shared.schema import Completion, GroupMsg, pack_f32, pack_i32, pack_u8
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from services.trainer.tiny_model import build_model
+    from shared.ml.tiny_model import build_model
 
     return build_model(tmp_path_factory.mktemp("tiny") / "m", hidden=64, layers=2, seed=0)
 

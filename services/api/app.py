@@ -11,10 +11,10 @@ from fastapi.staticfiles import StaticFiles
 
 from services.api import jobs, overview
 from shared import keys
+from shared.domain.tasks import task_for_job
 from shared.job import JobRecord, JobSpec
 from shared.metrics import read_points
 from shared.service import ServiceRuntime
-from shared.tasks import task_for_job
 
 STATIC = Path(__file__).resolve().parent / "static"
 # Paths served without a token: liveness/readiness/Prometheus (scrapers and probes carry
@@ -45,7 +45,7 @@ def build_routes(rt: ServiceRuntime) -> FastAPI:
     @router.post("/jobs", status_code=201, tags=["jobs"], responses={422: {"description": "Invalid spec"}})
     def create_job(spec: JobSpec) -> JobRecord:
         # JobSpec cannot check the task registry or a task's data source; an unknown task
-        # would be accepted here and only fail later in the feeder (ARCHITECTURE invariant 8).
+        # would be accepted here and only fail later in the feeder (docs/architecture.md, invariant 8).
         try:
             task_for_job(spec)
         except (KeyError, ValueError, TypeError, OSError) as e:

@@ -1,7 +1,7 @@
 """The prompt feeder: keeps each running job's prompt stream topped up, never more.
 
 In flight = fed - (trained + dropped + dead-lettered). The feeder keeps that at or
-below (max_staleness + 1) x batch_size (ARCHITECTURE invariant 4): when the trainer
+below (max_staleness + 1) x batch_size (docs/architecture.md, invariant 4): when the trainer
 is away, rollout drains the window and then idles instead of making samples that
 would only be dropped as stale.
 """
@@ -17,10 +17,10 @@ import redis
 
 from shared import keys
 from shared.bus import FIELD, trim_job
+from shared.domain.tasks import TaskItem, task_for_job
 from shared.job import JobRecord, JobState, load_job, save_job
 from shared.metrics import read_evals, read_ledger
 from shared.schema import PromptMsg, encode
-from shared.tasks import TaskItem, task_for_job
 
 log = logging.getLogger(__name__)
 TRIM_EVERY_S = 5.0  # retention pass per job; trimming is cheap but need not run every tick

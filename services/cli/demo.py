@@ -16,8 +16,8 @@ import httpx
 from rich.console import Console
 
 from services.cli.follow import follow_job, print_summary
-from services.cli.model import ensure_calc_model, ensure_python_model, ensure_tiny_model
 from services.cli.stack import start_stack
+from shared.ml.models import ensure_calc_model, ensure_python_model, ensure_tiny_model
 
 DEMO_JOB = {
     "name": "demo",

@@ -30,7 +30,7 @@ def init_model(
     out: Annotated[Path, typer.Option(help="Where to write the SFT-warm-started model.")] = TINY, force: bool = False
 ) -> None:
     """Build the tiny offline model (tokenizer + Qwen2) and warm-start it with TRL SFT."""
-    from services.cli.model import ensure_tiny_model
+    from shared.ml.models import ensure_tiny_model
 
     path = ensure_tiny_model(out, force=force, log=console.print)
     console.print(f"[green]model ready:[/] {path}")
@@ -216,7 +216,7 @@ def demo(
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
 def plan(ctx: typer.Context) -> None:
     """Will this run fit? Memory and time per role for a model on your cards (see --help)."""
-    from shared.plan.cli import main as plan_main
+    from services.plan.cli import main as plan_main
 
     raise typer.Exit(plan_main(list(ctx.args)))
 

@@ -19,8 +19,8 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-from shared.openai_server import OpenAIServer
-from shared.vllm_setup import prepare_cpu_engine_env, warm_up
+from shared.engines.openai_client import OpenAIClient
+from shared.engines.vllm_setup import prepare_cpu_engine_env, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class HFScorer:
     def _run(self, seqs: list[Seq], rows: list[int], out: list[list[float]]) -> None:
         import torch
 
-        from services.trainer.losses import token_logprobs
+        from shared.ml.logprobs import token_logprobs
 
         length = max(len(seqs[i][0]) + len(seqs[i][1]) for i in rows)
         ids = torch.zeros((len(rows), length), dtype=torch.long)
@@ -197,7 +197,7 @@ class VllmScorer:
             log.debug("engine shutdown: %s", e)
 
 
-class RemoteScorer(OpenAIServer):
+class RemoteScorer(OpenAIClient):
     """Client of an OpenAI-compatible vLLM server (`vllm serve MODEL --served-model-name <ref model>`)."""
 
     mode = "remote"

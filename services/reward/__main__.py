@@ -10,9 +10,9 @@ from services.reward.tool_api import add_tool_routes
 from services.reward.worker import handle
 from shared import keys
 from shared.bus import Bus
-from shared.sandbox import check_isolation
+from shared.domain.sandbox import check_isolation
+from shared.domain.verifiers import verifier_names
 from shared.service import ServiceRuntime, active_job_ids, setup_logging
-from shared.verifiers import verifier_names
 
 
 def main() -> None:

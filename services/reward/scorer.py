@@ -16,8 +16,8 @@ from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
-import shared.envs  # noqa: F401  (registers the environments' tasks, "arith3" and "guess", in scoring processes)
-from shared.verifiers import TAG_SEP, error_tag, load_plugins
+import shared.domain.envs  # noqa: F401  (registers the environments' tasks, "arith3" and "guess", in scoring processes)
+from shared.domain.verifiers import TAG_SEP, error_tag, load_plugins
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def score_json(payload: str) -> str:
 
 def score_work(w: GroupWork) -> list[dict[str, float]]:
     """Reward parts of each completion (runs in a worker process, or inline)."""
-    from shared.tasks.base import _task_for, score_many
+    from shared.domain.tasks.base import _task_for, score_many
 
     try:
         task = _task_for(w.task, w.verifier, w.spec_json)

@@ -2,7 +2,7 @@
 
 Why here: the reward service already hosts the sandbox (namespaces, uid pool, the
 unconfined seccomp its container needs for them), so tool calls of the "python"
-environment (shared/envs/python_tool.py) run on that same isolation instead of the
+environment (shared/domain/envs/python_tool.py) run on that same isolation instead of the
 rollout box growing a second one. The caller chooses the code, its stdin and a
 timeout (capped by BURSTRL_REWARD_TOOL_MAX_TIMEOUT_S); every other limit (memory,
 output, processes) is the service's. The route is behind the bearer token like every
@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from services.reward.settings import RewardSettings
-from shared.sandbox import Limits, SandboxUnavailable, check_isolation, run_program
+from shared.domain.sandbox import Limits, SandboxUnavailable, check_isolation, run_program
 from shared.service import ServiceRuntime
 
 MAX_CODE_CHARS = 16 * 1024

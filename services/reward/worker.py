@@ -12,11 +12,11 @@ import msgspec
 from services.reward.scorer import GroupWork, Scorer
 from shared import keys
 from shared.bus import Bus, Entry
+from shared.domain.tasks.base import total
+from shared.domain.verifiers import split_parts
 from shared.job import JobRecord, load_job
 from shared.metrics import record_point
 from shared.schema import GroupMsg, decode, encode
-from shared.tasks.base import total
-from shared.verifiers import split_parts
 
 log = logging.getLogger(__name__)
 

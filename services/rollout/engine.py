@@ -28,8 +28,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from shared.openai_server import OpenAIServer
-from shared.vllm_setup import prepare_cpu_engine_env, warm_up
+from shared.engines.openai_client import OpenAIClient
+from shared.engines.vllm_setup import prepare_cpu_engine_env, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -311,7 +311,7 @@ class InProcessEngine:
             log.debug("engine shutdown: %s", e)
 
 
-class RemoteEngine(OpenAIServer):
+class RemoteEngine(OpenAIClient):
     """A client of a remote OpenAI-compatible vLLM server (`vllm serve ... --enable-lora`)."""
 
     mode = "remote"

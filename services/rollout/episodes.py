@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.rollout.engine import Adapter, Engine, SamplingConfig
-from shared.envs import Env, EnvSpec, StepResult, make_env
+from shared.domain.envs import Env, EnvSpec, StepResult, make_env
+from shared.domain.verifiers import TAG_SEP, split_parts
 from shared.schema import Completion, pack_f32, pack_i32, pack_u8
-from shared.verifiers import TAG_SEP, split_parts
 
 _TIMEOUT = object()
 _stuck_lock = threading.Lock()

@@ -48,7 +48,7 @@ class RolloutSettings(CommonSettings):
     seed: int = Field(0, description="Engine seed.")
     env_plugins: str = Field(
         "",
-        description="Comma-separated modules imported at start that register environments (shared.envs."
+        description="Comma-separated modules imported at start that register environments (shared.domain.envs."
         "register_env). Only the operator chooses code to load: jobs can only name what is registered.",
     )
     max_stuck_env_calls: int = Field(

@@ -1,6 +1,6 @@
 """Rollout worker: adopt new policy versions, evaluate them, turn prompts into groups.
 
-Adoption of version N of a job (ARCHITECTURE "Weight sync"):
+Adoption of version N of a job (docs/architecture.md, "Weight sync"):
 1. download into a fresh folder `policy-vN` and check every file's sha256 against the manifest;
 2. load it into the engine under a NEW adapter name (`{job}-policy-vN`);
 3. probe: the engine's per-token log-probs of the manifest's probe sequence under the new
@@ -45,7 +45,9 @@ from services.rollout.episodes import Episode, episode_stats, new_episode, run_e
 from services.rollout.settings import RolloutSettings
 from shared import keys
 from shared.bus import Bus, Entry
-from shared.envs import EnvError, load_env_plugins
+from shared.domain.envs import EnvError, load_env_plugins
+from shared.domain.tasks import task_for_job
+from shared.domain.tasks.base import total
 from shared.job import JobRecord, JobSpec, JobState, load_job, same_model
 from shared.metrics import record_eval, record_point
 from shared.policy import (
@@ -61,8 +63,6 @@ from shared.policy import (
 from shared.schema import Completion, GroupMsg, PromptMsg, decode, encode, pack_f32, pack_i32, pack_u8
 from shared.service import ServiceRuntime, active_job_ids
 from shared.store import ObjectStore
-from shared.tasks import task_for_job
-from shared.tasks.base import total
 
 log = logging.getLogger(__name__)
 ADAPTER_CONFIG = "adapter_config.json"

@@ -1,7 +1,7 @@
 """Data parallelism under torchrun: rank 0 talks to Redis and the store, every rank trains.
 
 Rank 0 claims the job, reads each batch from the bus and broadcasts it as the groups'
-msgpack bytes (ARCHITECTURE invariant 1: nothing crosses a process boundary as pickle,
+msgpack bytes (docs/architecture.md, invariant 1: nothing crosses a process boundary as pickle,
 so no broadcast_object_list); gradients are summed with all_reduce in `Learner`. Only
 rank 0 checkpoints, publishes and acknowledges. An error on any rank ends the process
 (no survive-and-retry: the other ranks would wait in a collective forever); torchrun's

@@ -21,8 +21,9 @@ import torch.distributed as dist
 
 from services.trainer.advantages import compute_advantages, compute_turn_advantages, kl_penalised_rewards
 from services.trainer.batch import Batch, collate
-from services.trainer.losses import LossConfig, lr_lambda, policy_loss, token_logprobs_and_entropy
+from services.trainer.losses import LossConfig, lr_lambda, policy_loss
 from shared.job import JobSpec
+from shared.ml.logprobs import token_logprobs_and_entropy
 from shared.schema import GroupMsg
 
 

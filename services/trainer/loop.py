@@ -1,6 +1,6 @@
 """The trainer: claim a job, gather batches from its ready stream, step, publish, ack.
 
-Order per step (ARCHITECTURE invariant 2): train -> [checkpoint every N steps: weights,
+Order per step (docs/architecture.md, invariant 2): train -> [checkpoint every N steps: weights,
 optimizer, scheduler, RNG, data position, the ids of the groups trained since the
 previous checkpoint] -> publish policy v{step} -> [after a checkpoint: XACK the entries
 it holds + ledger in one MULTI] -> move the policy pointer. A crash anywhere leaves the

@@ -22,21 +22,6 @@ Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
 MismatchMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"]
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Log-prob of each target token. logits: [N, T, V], targets: [N, T] -> [N, T]."""
-    # log_softmax in fp32: bf16 logits lose the tail that log-probs of rare tokens need.
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-
-def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of each target token and the entropy of each position's distribution ([N, T] each)."""
-    logp_all = torch.log_softmax(logits.float(), dim=-1)
-    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(dim=-1)
-    return logp, entropy
-
-
 # -- KL(policy || ref) per token, from samples of the policy ---------------------------
 def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """log(pi/ref): unbiased, high variance, can be negative per token."""

@@ -1,4 +1,4 @@
-"""The log-prob probe a version's manifest carries (ARCHITECTURE invariant 5).
+"""The log-prob probe a version's manifest carries (docs/architecture.md, invariant 5).
 
 The trainer scores one fixed sequence (a held-out prompt of the job's task plus a fixed
 completion) with the weights it is about to publish; rollout scores the same token ids
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from shared.domain.tasks import get_task
 from shared.policy import make_probe
-from shared.tasks import get_task
 
 # Fixed, so every version of a job is probed on the same sequence. A completion that is
 # not the right answer on purpose: log-probs of unlikely tokens move more with the

@@ -1,0 +1,38 @@
+"""Verifiers: plain functions `(completions, **task_fields) -> rewards`, registered by name.
+
+Built in: exact, regex, format, overlong (DAPO length shaping), math (math-verify),
+code (sandboxed tests), http (a JSON reward-model endpoint), openai_judge (an
+OpenAI-compatible server as a judge). Weighted combinations: `score_components`.
+Pure Python: no torch or vllm (shared/ stays light); math-verify is imported lazily.
+"""
+
+from __future__ import annotations
+
+from shared.domain.verifiers import basic as _basic  # noqa: F401  (registers exact, regex, format, overlong)
+from shared.domain.verifiers import code as _code  # noqa: F401  (registers code)
+from shared.domain.verifiers import http as _http  # noqa: F401  (registers http, openai_judge)
+from shared.domain.verifiers import math_answer as _math  # noqa: F401  (registers math)
+from shared.domain.verifiers.combine import TAG_SEP, error_tag, score_components, split_parts
+from shared.domain.verifiers.registry import (
+    Scored,
+    VerifierError,
+    VerifierFn,
+    get_verifier,
+    load_plugins,
+    register_verifier,
+    verifier_names,
+)
+
+__all__ = [
+    "TAG_SEP",
+    "Scored",
+    "VerifierError",
+    "VerifierFn",
+    "error_tag",
+    "get_verifier",
+    "load_plugins",
+    "register_verifier",
+    "score_components",
+    "split_parts",
+    "verifier_names",
+]

@@ -1,0 +1,222 @@
+"""Build the tiny model once (idempotent): random Qwen2 + byte tokenizer, then SFT."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+DONE = "burstrl_ready.json"
+# Bump when the model or SFT recipe changes, so cached models are rebuilt.
+RECIPE = "arith-slip0-sft600x128-v2"
+
+
+def ensure_tiny_model(out: Path, *, force: bool = False, log: Callable[[str], None] = print) -> Path:
+    from shared.ml.sft import sft_warm_start
+
+    return _build_once(
+        out,
+        RECIPE,
+        what="tiny model",
+        sft=("SFT warm-start with TRL (about a minute on 2 cores)", lambda base, out: sft_warm_start(base, out)),
+        force=force,
+        log=log,
+    )
+
+
+def _build_once(
+    out: Path,
+    recipe: str,
+    *,
+    what: str,
+    sft: tuple[str, Callable[[Path, Path], object]],
+    force: bool,
+    log: Callable[[str], None],
+) -> Path:
+    """Random-init tiny model in `out`-base, then `sft` (a log line, a base -> out trainer) into
+    `out`; skipped when `out` already holds this recipe's model."""
+    out = out.resolve()
+    if (out / DONE).exists() and not force and json.loads((out / DONE).read_text()).get("recipe") == recipe:
+        return out
+    from shared.ml.tiny_model import build_model
+
+    base = out.parent / (out.name + "-base")
+    shutil.rmtree(base, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
+    log(f"building the {what} in {base}")
+    build_model(base)
+    log(sft[0])
+    sft[1](base, out)
+    shutil.rmtree(out / "_sft_run", ignore_errors=True)
+    (out / DONE).write_text(json.dumps({"base": str(base), "recipe": recipe}))
+    return out
+
+
+# The teacher of the distillation test: the tiny SFT model trained further on clean demos
+# (the right sum, then EOS, every time), so it is much better than the student it starts from.
+TEACHER_RECIPE = "arith-teacher-clean300x128-v1"
+
+
+def ensure_teacher_model(out: Path, student: Path, *, force: bool = False, log: Callable[[str], None] = print) -> Path:
+    """Build (once) a same-tokenizer teacher from the tiny student by a longer, clean SFT."""
+    out, student = out.resolve(), student.resolve()
+    want = {"student": str(student), "recipe": TEACHER_RECIPE, "student_recipe": RECIPE}
+    if (out / DONE).exists() and not force and json.loads((out / DONE).read_text()) == want:
+        return out
+    from shared.ml.sft import sft_warm_start
+
+    shutil.rmtree(out, ignore_errors=True)
+    log(f"building the distillation teacher in {out} (SFT of {student} on clean demonstrations)")
+    sft_warm_start(student, out, steps=300, batch_size=128, learning_rate=1e-3, seed=1, correct_fraction=1.0)
+    shutil.rmtree(out / "_sft_run", ignore_errors=True)
+    (out / DONE).write_text(json.dumps(want))
+    return out
+
+
+# The long-completion model of the TRL comparison (bench/trl_compare.py --task countup): the
+# tiny architecture SFT'd on "countup" traces, a quarter of them stopping at a+b and the rest
+# one number late, so that, as with "arith", GRPO has to learn where to stop.
+COUNTUP_RECIPE = "countup-slip-sft600x128-v1"
+
+
+def ensure_countup_model(out: Path, *, force: bool = False, log: Callable[[str], None] = print) -> Path:
+    from shared.ml.sft import sft_warm_start
+
+    return _build_once(
+        out,
+        COUNTUP_RECIPE,
+        what="counting tiny model",
+        sft=(
+            "SFT warm-start on 'countup' traces (about 10 minutes on 2 cores)",
+            lambda base, out: sft_warm_start(base, out, task_name="countup"),
+        ),
+        force=force,
+        log=log,
+    )
+
+
+# The tool-use demo's model: the tiny architecture SFT'd on 3-digit sums ("arith3"), where
+# 40% of the demonstrations call the calculator (`<calc>a+b</calc>`, the tool's `=s`, then an
+# empty turn that submits the tool's result) and the rest answer directly. It can call the tool but mostly does not, and its direct
+# answers are mostly wrong: RL through the "calc" environment should teach it to use the tool.
+# The tool's output is masked out of the SFT loss as it is out of the RL loss: trained on, the
+# model would learn to predict the sum itself (which it cannot) instead of reading it.
+CALC_RECIPE = "arith3-calc40-submit-masked-sft1000x64-v4"
+
+
+def ensure_calc_model(out: Path, *, force: bool = False, log: Callable[[str], None] = print) -> Path:
+    return _ensure_tool_model(out, "arith3", CALC_RECIPE, force=force, log=log)
+
+
+# The Python-tool demo's model: the same recipe on "arith3py", whose tool-call demonstrations
+# are `<python>print(a+b)</python>`, the sandbox's `<output>s</output>` (masked), then an empty
+# turn that submits it. RL through the "python" environment should teach it to run the code.
+PYTHON_RECIPE = "arith3py-python40-submit-masked-sft1000x64-v1"
+
+
+def ensure_python_model(out: Path, *, force: bool = False, log: Callable[[str], None] = print) -> Path:
+    return _ensure_tool_model(out, "arith3py", PYTHON_RECIPE, force=force, log=log)
+
+
+def _ensure_tool_model(
+    out: Path, task: str, recipe: str, *, force: bool = False, log: Callable[[str], None] = print
+) -> Path:
+    return _build_once(
+        out,
+        recipe,
+        what="tool-use tiny model",
+        sft=(
+            f"SFT warm-start on {task!r} tool-call demonstrations (a minute or two on 2 cores)",
+            lambda base, out: _sft_tool_use(base, out, task=task),
+        ),
+        force=force,
+        log=log,
+    )
+
+
+# Where each tool-use task's demonstration ends the model's call (its environment's stop
+# string): what follows is the tool's answer, masked out of the loss (the model reads it).
+TOOL_CALL_ENDS = {"arith3": "</calc>", "arith3py": "</python>"}
+
+
+def _sft_tool_use(
+    model_dir: Path,
+    out_dir: Path,
+    *,
+    task: str = "arith3",
+    # 1000 steps: at 400 the model had not yet learned to copy the operands into the call.
+    steps: int = 1000,
+    batch_size: int = 64,
+    learning_rate: float = 3e-3,
+    tool_fraction: float = 0.4,
+    seed: int = 0,
+) -> None:
+    """A plain masked SFT loop (TRL's completion-only loss cannot mask the tool's output).
+
+    The demonstrations are the task's own (`demonstration(item, rng, tool_fraction)`): a tool
+    call, the tool's output, then an empty turn (EOS) that submits it; or a direct answer.
+    """
+    import itertools
+    import math
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shared.domain.envs.calc import Arith3Task
+    from shared.domain.envs.python_tool import Arith3PyTask
+    from shared.domain.tasks.base import TaskItem
+
+    # The concrete classes, not the registry: `demonstration` is theirs, not the Task protocol's.
+    the_task: Arith3Task = {"arith3": Arith3Task, "arith3py": Arith3PyTask}[task]()
+    call_end = TOOL_CALL_ENDS[task]
+    torch.manual_seed(seed)
+    # One thread: on a busy 2-core box, two OpenMP threads spin against each other (8x slower).
+    torch.set_num_threads(1)
+    rng = random.Random(seed)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    items = itertools.islice(the_task.train_items(seed), steps * batch_size)
+
+    def example(item: TaskItem) -> tuple[list[int], list[int]]:
+        # One rng draw per item, as before the generalisation: the calc model's data (and so
+        # its weights, and CALC_RECIPE's cache) are unchanged.
+        demo = the_task.demonstration(item, rng, tool_fraction)
+        segs = [(item.prompt, False)]  # (text, trained on)
+        if call_end in demo:
+            # call, the tool's output (masked), then an empty turn: submit the tool's result
+            call, output = demo.split(call_end, 1)
+            segs += [(call + call_end, True), (output, False), (tok.eos_token, True)]
+        else:
+            segs += [(demo + tok.eos_token, True)]
+        ids, labels = [], []
+        for text, trained in segs:
+            t = tok(text, add_special_tokens=False)["input_ids"]
+            ids += t
+            labels += t if trained else [-100] * len(t)
+        return ids, labels
+
+    opt = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
+    warm = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / (steps - warm)))
+    )
+    model.train()
+    for step in range(steps):
+        batch = [example(it) for it in itertools.islice(items, batch_size)]
+        width = max(len(x) for x, _ in batch)
+        ids = torch.tensor([x + [tok.pad_token_id] * (width - len(x)) for x, _ in batch])
+        labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in batch])
+        attn = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in batch])
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 50 == 0 or step == steps - 1:
+            print(f"{task} tool-use SFT step {step}/{steps} loss {loss.item():.3f}", flush=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
