@@ -75,7 +75,7 @@ def audit(r: redis.Redis, job_id: str) -> LedgerAudit:
     raw = r.eval(AUDIT_LUA, 2 + len(stages), keys.ledger(job_id), keys.dead_letter(job_id), *stages, *stages.values())
     flat = raw[0]
     counters = {_s(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
-    names = [_s(s).rsplit(":", 1)[-1] for s in stages]
+    names = [keys.stage_of_stream(s) for s in stages]
     in_streams = {name: int(raw[2 + 2 * i]) + int(raw[3 + 2 * i]) for i, name in enumerate(names)}
     a = LedgerAudit(job_id, counters, in_streams, int(raw[1]))
     physical = sum(in_streams.values())

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
@@ -149,15 +150,26 @@ def open_store(url: str) -> ObjectStore:
     raise StoreError(f"STORE_URL {url!r}: scheme must be file:// or s3://")
 
 
-def put_folder(store: ObjectStore, prefix: str, files: dict[str, bytes], meta: dict[str, Any]) -> dict[str, Any]:
+def put_folder(
+    store: ObjectStore,
+    prefix: str,
+    files: dict[str, bytes],
+    meta: dict[str, Any],
+    *,
+    before_manifest: Callable[[], None] | None = None,
+) -> dict[str, Any]:
     """Write files, then manifest.json (meta + each file's sha256) last.
 
     The folder exists once its manifest does: a crash mid-upload leaves no folder.
-    Policy versions and trainer checkpoints are both such folders.
+    Policy versions and trainer checkpoints are both such folders. `before_manifest` runs
+    between the files and the manifest and may raise to leave the folder nonexistent (the
+    trainer checks it still holds its lease there: a long upload may have outlived it).
     """
     manifest = {**meta, "files": {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}}
     for name, data in files.items():
         store.put(f"{prefix}/{name}", data)
+    if before_manifest is not None:
+        before_manifest()
     store.put(f"{prefix}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
     return manifest
 
