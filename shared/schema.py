@@ -128,6 +128,7 @@ class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Gauges some roles add: rollout and trainer the policy version they serve per job;
     # reward whether code rewards can run; ref which model and engine it scores with.
     policy_versions: dict[str, int] = {}
+    dataset: str = ""  # the Redis dataset id this replica started on (shared/dataset.py)
     sandbox: str = ""
     ref_model: str = ""
     ref_engine: str = ""

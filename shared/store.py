@@ -37,6 +37,7 @@ class ObjectStore(Protocol):
     def get(self, key: str) -> bytes: ...
     def exists(self, key: str) -> bool: ...
     def list(self, prefix: str) -> list[str]: ...
+    def list_dirs(self, prefix: str) -> list[str]: ...
     def delete(self, key: str) -> None: ...
 
 
@@ -82,6 +83,13 @@ class FileStore:
         return sorted(
             str(p.relative_to(self.root)) for p in base.rglob("*") if p.is_file() and not p.name.startswith(".tmp-")
         )
+
+    def list_dirs(self, prefix: str) -> list[str]:
+        """Names one level below `prefix` (a folder, ending in '/') that hold objects."""
+        base = self._path(prefix) if prefix.strip("/") else self.root
+        if not base.is_dir():
+            return []
+        return sorted(p.name for p in base.iterdir() if p.is_dir() and not p.name.startswith(".tmp-"))
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
@@ -132,6 +140,15 @@ class S3Store:
         pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._k(prefix))
         for page in pages:
             out.extend(o["Key"][strip:] for o in page.get("Contents", []))
+        return sorted(out)
+
+    def list_dirs(self, prefix: str) -> list[str]:
+        """Names one level below `prefix` (ending in '/'), from S3's common prefixes: no full listing."""
+        out: list[str] = []
+        want = self._k(prefix)
+        pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=want, Delimiter="/")
+        for page in pages:
+            out.extend(p["Prefix"][len(want) :].strip("/") for p in page.get("CommonPrefixes", []))
         return sorted(out)
 
     def delete(self, key: str) -> None:

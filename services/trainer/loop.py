@@ -39,7 +39,7 @@ from services.trainer.progress import JobStuck, StaleStreak, clear_failures
 from services.trainer.settings import TrainerSettings
 from shared import keys
 from shared.bus import Bus, Entry
-from shared.fence import record_takeover, refusal
+from shared.fence import max_epoch, record_takeover, refusal
 from shared.job import JobRecord, JobState, UnreadableJob, load_job, set_state
 from shared.lease import Lease, LeaseKeeper, LeaseLost
 from shared.metrics import read_ledger, record_point
@@ -539,7 +539,7 @@ def claim_job(rt: ServiceRuntime, settings: TrainerSettings, store: ObjectStore)
         if rec is None or rec.state != JobState.running:
             continue
         lease = Lease(rt.redis, job_id, settings.replica, settings.lease_s)
-        if not lease.acquire():
+        if not lease.acquire(floor=max_epoch(store, job_id)):  # never an epoch the store has seen
             continue
         try:
             version = latest_version(store, job_id)
