@@ -55,8 +55,14 @@ class FileStore:
 
     def put(self, key: str, data: bytes) -> None:
         p = self._path(key)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tmp-")
+        for attempt in range(3):  # a concurrent delete may remove the folder it just emptied
+            p.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tmp-")
+                break
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -92,7 +98,16 @@ class FileStore:
         return sorted(p.name for p in base.iterdir() if p.is_dir() and not p.name.startswith(".tmp-"))
 
     def delete(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
+        p = self._path(key)
+        p.unlink(missing_ok=True)
+        # Like S3, a folder exists only while it holds objects: remove the ones left empty.
+        for parent in p.parents:
+            if parent == self.root or self.root not in parent.parents:
+                break
+            try:
+                parent.rmdir()
+            except OSError:  # not empty (or already gone)
+                break
 
 
 class S3Store:
