@@ -33,7 +33,7 @@ from services.plan.memory import (
     trainer_memory,
 )
 from services.plan.model_shape import ModelShape
-from services.plan.pricing import BurstPattern, ModeCost, Sides, cheapest, price_layout, usable
+from services.plan.pricing import HOURS_PER_WEEK, BurstPattern, ModeCost, Sides, cheapest, price_layout, usable
 from services.plan.roles import EFFICIENT_TOKENS, Efficiency, RolePlan, plan_ref, plan_rollout, plan_trainer
 
 Placement = Literal["disaggregated", "colocated"]
@@ -308,6 +308,7 @@ def plan(
         pick = cheapest([m for p in layouts if p.fits for m in p.costs if m.mode == mode])
         if pick is not None:
             best.comparison.append(pick)
+    best.notes += _advice(best)
     owned = next((m for m in best.comparison if m.mode == "owned"), None)
     if objective == "cost" and renting and owned is not None:
         best.notes.append(
@@ -319,6 +320,32 @@ def plan(
     if not best.fits:
         best.notes.append("nothing fits: see each role's min settings and peak, or add cards")
     return best
+
+
+def _advice(p: Plan) -> list[str]:
+    """What the user could trade: more steps per week for a higher cost per step, or more bursts."""
+    chosen = p.chosen_cost()
+    if chosen is None or chosen.cost_per_1k_steps <= 0 or p.pattern is None:
+        return []
+    out = []
+    more = [
+        m for m in p.comparison if m.mode != "owned" and usable(m) and m.steps_per_week >= 2 * chosen.steps_per_week
+    ]
+    if more and (m := min(more, key=lambda m: m.cost_per_1k_steps)) is not chosen:
+        out.append(
+            f"{m.mode} trains {m.steps_per_week / chosen.steps_per_week:.1f}x the steps per week "
+            f"({m.steps_per_week:,.0f}) at {m.cost_per_1k_steps / chosen.cost_per_1k_steps - 1:+.0%} per step"
+        )
+    if chosen.mode == "backlog" and chosen.home_idle_share > 0.25:
+        hours = math.ceil(chosen.billable_hours_per_burst * 10) / 10
+        n = min(chosen.bursts_to_fill_home, int(HOURS_PER_WEEK // hours))
+        hint = f"--bursts-per-week {n} --burst-hours {hours:g} would keep them busier at the same cost per step; "
+        out.append(
+            f"home cards idle {chosen.home_idle_share:.0%} of the week on a full backlog: "
+            f"{hint if n > chosen.bursts_per_week else ''}a higher --max-lag (now {p.pattern.max_lag}) lets each "
+            "burst train more"
+        )
+    return out
 
 
 def _alternative(p: Plan) -> dict[str, object]:

@@ -111,6 +111,9 @@ class ModeCost(BaseModel):
     backlog_groups: float = 0.0
     backlog_gb: float = 0.0
     home_idle_share: float = Field(default=0.0, description="Of the week, home cards idle on a full backlog.")
+    bursts_to_fill_home: int = Field(
+        default=0, description="Bursts per week that would keep the home cards busy at the same cost per step."
+    )
     within_limit: bool = True
     uses_rented: bool = False
 
@@ -209,6 +212,8 @@ def _backlog(sides: Sides, cards: dict[str, Card], p: BurstPattern, w: Workload,
     rented_h_week = n * c.billable_s / 3600 * _rented_count(cards, sides.trainer_cards)
     rented_h_week += HOURS_PER_WEEK * _rented_count(cards, sides.home_cards)
     size = group_bytes(w, sides.uses_ref)
+    home_made = c.trained_groups - c.replica_share * r_g * c.mixed_s  # per cycle
+    fill = math.floor(HOURS_PER_WEEK * 3600 * r_h / home_made) if home_made > 0 else 0
     return out.model_copy(
         update={
             "replica_share": c.replica_share,
@@ -224,6 +229,7 @@ def _backlog(sides: Sides, cards: dict[str, Card], p: BurstPattern, w: Workload,
             "backlog_groups": c.backlog_groups,
             "backlog_gb": c.backlog_groups * sum(size.values()) / 1e9,
             "home_idle_share": c.home_idle_share,
+            "bursts_to_fill_home": max(n, fill),
             "within_limit": lag_max <= p.max_lag,
             "why_not": "" if lag_max <= p.max_lag else f"home groups lag {mixed_lag} versions beside the replica",
         }

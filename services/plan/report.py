@@ -148,7 +148,11 @@ def render(plan: Plan, console: Console | None = None) -> None:
         console.print(f"runners-up (by {plan.objective}):")
         for alt in plan.alternatives:
             ok = "fits" if alt["fits"] else "no fit"
-            cost = f"${alt['cost_per_1k_steps']:.2f}/1k steps ({alt['mode']})" if alt["cost_per_1k_steps"] else ""
+            cost = (
+                f"${alt['cost_per_1k_steps']:.2f}/1k steps ({alt['mode']})"
+                if alt["cost_per_1k_steps"] is not None
+                else ""
+            )
             console.print(
                 f"  {alt['placement']:<14} {ok:<7} {_secs(float(alt['step_time_s'])):>9}  {cost}  {alt['layout']}"
             )
