@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, computed_field
 
 from services.plan.catalog import Card
 from services.plan.memory import (
@@ -77,6 +77,7 @@ class Plan(BaseModel):
     alternatives: list[dict[str, object]] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)
 
+    @computed_field  # type: ignore[prop-decorator]
     @property
     def layout(self) -> str:
         return ", ".join(f"{r.role}: {r.count}x {r.card}" for r in self.roles)
@@ -198,6 +199,9 @@ def _colocated(
         # The ref is the trainer's own model (LoRA: adapter disabled; full: a frozen copy kept beside it).
         ref_plan = plan_ref(shape, w, card, (card.memory_bytes - static) / GB, eff, share=True)
         ref_plan.count, ref_plan.time_s = k, ref_plan.time_s / k
+        if method.kind == "full":  # its weights are the frozen copy counted in the trainer's static
+            ref_plan.layout["shares_trainer_weights"] = ref_plan.min_layout["shares_trainer_weights"] = False
+            ref_plan.notes.append("a frozen copy of the base beside the trainer")
         roles.append(ref_plan)
         t += ref_plan.time_s
         fits = fits and ref_plan.fits
