@@ -113,6 +113,9 @@ def test_home_mi50s_and_a_rented_h200_recommend_backlog_and_bursts(capsys: pytes
     assert chosen["rented_hours_per_1k_steps"] < all_rented["rented_hours_per_1k_steps"]
     assert chosen["cost_per_1k_steps"] < all_rented["cost_per_1k_steps"]
     assert chosen["rented_groups_per_h"] > all_rented["rented_groups_per_h"] and chosen["home_groups_per_h"] > 0
+    rented_ways = [m for m in out["comparison"] if m["uses_rented"]]
+    assert {m["mode"] for m in rented_ways} == {"all-rented", "windowed", "backlog", "backlog+replica"}
+    assert all(chosen["cost_per_1k_steps"] <= m["cost_per_1k_steps"] for m in rented_ways)
     assert 0 < chosen["billable_share"] < 10 * 3 / 168 and chosen["lag_max"] <= 256
     per_group = sum(group_bytes(Workload(**out["workload"]), ref=True).values())
     assert chosen["backlog_gb"] == pytest.approx(chosen["backlog_groups"] * per_group / 1e9)

@@ -55,10 +55,11 @@ def _row(r: RolePlan) -> list[str]:
 
 
 def _cost_rows(plan: Plan) -> list[ModeCost]:
-    """The recommended layout's own ways of running, then the best layout of each other way."""
-    own = [m for m in plan.costs]
-    seen = {m.mode for m in own}
-    return own + [m for m in plan.comparison if m.mode not in seen]
+    """The recommended layout's own ways of running, then the best layout of each way where
+    that is another layout (e.g. the cheapest windowed split puts the ref elsewhere)."""
+    own = list(plan.costs)
+    mine = {(m.mode, m.layout) for m in own}
+    return own + [m for m in plan.comparison if (m.mode, m.layout) not in mine]
 
 
 def render_costs(plan: Plan, console: Console) -> None:
