@@ -11,7 +11,10 @@ Guarantees (docs/architecture.md, invariants 2, 3, 8):
 - an entry delivered more than `max_deliveries` times, or one that does not decode,
   goes to the job's dead-letter stream with its reason, and the stage carries on;
 - `trim_acked()` deletes only entries every group has acknowledged, so Redis memory is
-  bounded by the in-flight window, not by the length of the run.
+  bounded by the in-flight window, not by the length of the run;
+- `spill()` moves ready entries into the backlog's disk tier (shared/backlog.py): once their
+  segment is in the store, one script checks they are still pending to the spiller, XACKs
+  them, bumps the ledger's `spilled` and indexes the segment, so each is spilled once.
 """
 
 from __future__ import annotations
@@ -102,6 +105,22 @@ return acked
 """
 
 
+# KEYS: ready stream, ledger, backlog index. ARGV: group, consumer, segment id, index entry JSON,
+# entry ids... All or nothing: -1 (nothing done) unless every entry is still pending to this
+# consumer (the trainer may have taken some over: they must not be trained and spilled both),
+# -2 if the segment is indexed already; else XACK them all, count them spilled, index the segment.
+SPILL_LUA = """
+for i = 5, #ARGV do
+  if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2]) == 0 then return -1 end
+end
+if redis.call('HEXISTS', KEYS[3], ARGV[3]) == 1 then return -2 end
+local n = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 5))
+redis.call('HINCRBY', KEYS[2], 'spilled', n)
+redis.call('HSET', KEYS[3], ARGV[3], ARGV[4])
+return n
+"""
+
+
 # ACK_LUA behind the lease guard (shared/lease.py): KEYS lease, stream, ledger; ARGV the lease
 # value, then ACK_LUA's ARGV. Returns -1, acknowledging nothing, when the caller lost the lease.
 FENCED_ACK_LUA = (
@@ -135,6 +154,7 @@ class Bus:
         max_deliveries: int = 5,
         redo_own_pending: bool = True,
         heartbeat_role: str | None = None,
+        owner_prefix: str = "",
     ) -> None:
         """`redo_own_pending`: this consumer holds no entry between reads (it handles and
         settles each batch before reading again), so any entry still pending to it at
@@ -145,6 +165,9 @@ class Bus:
         `heartbeat_role`: the service role whose replicas are this group's consumers (the
         consumer name is the replica id): entries of a replica whose heartbeat expired are
         taken over at once (see `_take_from_gone`).
+
+        `owner_prefix`: take over only consumers named `owner_prefix + replica id` (rollout's
+        spillers in the trainer's group: never the trainer's own entries, which it trains).
         """
         self.r = r
         self.group = group
@@ -153,11 +176,13 @@ class Bus:
         self.max_deliveries = max_deliveries
         self.redo_own_pending = redo_own_pending
         self.heartbeat_role = heartbeat_role
+        self.owner_prefix = owner_prefix
         self._last_claim = 0.0
         self.stats = BusStats()
         self._settle_script = r.register_script(SETTLE_LUA)
         self._ack_script = r.register_script(ACK_LUA)
         self._fenced_ack_script = r.register_script(FENCED_ACK_LUA)
+        self._spill_script = r.register_script(SPILL_LUA)
 
     @staticmethod
     def ensure_groups(r: redis.Redis, job_id: str) -> None:
@@ -200,6 +225,42 @@ class Bus:
         checkpoint holds them): after a restart these come back first, in stream order."""
         resp = self.r.xreadgroup(self.group, self.consumer, {stream: "0"}, count=count)
         return [Entry(_s(s), _s(eid), f.get(FIELD, b"")) for s, es in resp or [] for eid, f in es if f]
+
+    def read_new(self, stream: str, *, count: int) -> list[Entry]:
+        """Entries never delivered to this group yet, oldest first, without blocking and without
+        reclaiming anyone's (the spiller: it must never take the trainer's pending entries)."""
+        resp = self.r.xreadgroup(self.group, self.consumer, {stream: ">"}, count=count)
+        return [Entry(_s(s), _s(eid), f.get(FIELD, b"")) for s, es in resp or [] for eid, f in es if f]
+
+    def take_from_gone(self, stream: str, *, count: int) -> int:
+        """Take over the entries of consumers (named `owner_prefix` + replica) whose heartbeat
+        expired; they then come back from `read_own`. Returns how many were taken."""
+        return len(self._take_from_gone(stream, count))
+
+    def spill(self, entries: list[Entry], segment: str, index_entry: str) -> int:
+        """Acknowledge ready entries whose groups are now in a stored segment, count them spilled
+        and index the segment, in one script; only if every entry is still pending to this
+        consumer. Returns how many were spilled (0: none, the segment is not indexed)."""
+        if not entries:
+            return 0
+        job_id = entries[0].job_id
+        stream = keys.ready(job_id)
+        if any(e.stream != stream for e in entries):
+            raise ValueError("spill() takes entries of one job's ready stream")
+        t0 = time.perf_counter()
+        n = int(
+            self._spill_script(
+                keys=[stream, keys.ledger(job_id), keys.backlog_index(job_id)],
+                args=[self.group, self.consumer, segment, index_entry, *[e.id for e in entries]],
+            )
+        )
+        self.stats.settle_s += time.perf_counter() - t0
+        if n < 0:
+            log.warning(
+                "segment %s not indexed: %s", segment, "an entry was taken over" if n == -1 else "indexed already"
+            )
+            return 0
+        return n
 
     def decode(self, entries: Iterable[Entry], expected: type[M]) -> list[tuple[Entry, M]]:
         """Decode each entry as `expected`; one that does not decode goes to the dead-letter
@@ -274,7 +335,9 @@ class Bus:
         owners.discard(self.consumer)
         taken: list = []
         for owner in owners:
-            if self.r.exists(keys.service(self.heartbeat_role, owner)):
+            if not owner.startswith(self.owner_prefix):
+                continue
+            if self.r.exists(keys.service(self.heartbeat_role, owner[len(self.owner_prefix) :])):
                 continue
             ids = [p["message_id"] for p in self.r.xpending_range(stream, self.group, "-", "+", count, owner)]
             if ids:  # 2 s idle at least: never snatch an entry in the middle of its delivery
@@ -419,6 +482,22 @@ end
 local minid = string.format('%d-%d', best_ms, best_seq)
 return {redis.call('XTRIM', KEYS[1], 'MINID', minid), minid}
 """
+
+
+def undelivered(r: redis.Redis, stream: str, group: str, *, limit: int) -> int:
+    """Entries of `stream` not yet delivered to `group` (at most `limit` are counted)."""
+    try:
+        groups = r.xinfo_groups(stream)
+    except redis.ResponseError:  # no such stream yet
+        return 0
+    for g in groups:
+        if _s(g.get("name", b"")) != group:
+            continue
+        if g.get("lag") is not None:
+            return min(limit, int(g["lag"]))
+        # Redis cannot tell the lag after deletions within the range: count (bounded).
+        return len(r.xrange(stream, f"({_s(g['last-delivered-id'])}", "+", count=limit))
+    return 0
 
 
 def trim_acked(r: redis.Redis, stream: str) -> int:

@@ -52,6 +52,67 @@ class SamplingSpec(BaseModel):
         return v
 
 
+class BacklogSpec(BaseModel):
+    """Let rollout keep generating while no trainer holds the job (docs/architecture.md, invariant 4).
+
+    Off by default (max_groups 0): the job is windowed, at most (max_staleness + 1) x batch_size groups
+    in flight, and rollout idles once the trainer stops taking them. With a backlog, rollout keeps
+    going: Redis keeps the hot window and ready groups beyond it spill to the object store as
+    checksummed segments (jobs/{job}/backlog/), up to max_groups and max_bytes. The trainer then
+    accepts groups up to max_age_versions behind it (instead of max_staleness) and max_age_hours old.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_groups: int = Field(
+        0,
+        ge=0,
+        le=10_000_000,
+        description="Groups the job may hold beyond its in-flight window while the trainer is away "
+        "(hot window + disk segments); 0: no backlog (windowed, rollout idles without a trainer).",
+    )
+    max_bytes: int = Field(
+        1 << 30,
+        ge=1 << 20,
+        le=1 << 44,
+        description="Bytes of stored segments at most; rollout idles (and says so in /readyz) at this size.",
+    )
+    max_age_versions: int = Field(
+        256,
+        ge=0,
+        le=1_000_000,
+        description="With a backlog, the staleness limit: a group sampled more than this many policy "
+        "versions behind the trainer is dropped (ledger dropped_age). At least max_staleness.",
+    )
+    max_age_hours: float = Field(
+        48.0,
+        gt=0.0,
+        le=24.0 * 365,
+        allow_inf_nan=False,
+        description="A group sampled longer ago than this is dropped (ledger dropped_age); segments past "
+        "it are dropped while no trainer holds the job, so expired data never holds the budget.",
+    )
+    order: Literal["oldest", "freshest"] = Field(
+        "oldest",
+        description="Which groups the returning trainer takes first. oldest: the backlog in the order it "
+        "was made, so every group is trained before it ages out (nothing the home cards made is wasted "
+        "while the drain outpaces the age limit). freshest: the hot window, then the newest segments "
+        "first, so the trainer sees the smallest lag (old groups may age out; correct the rest with an "
+        "off-policy loss such as M2PO).",
+    )
+    segment_groups: int = Field(
+        64,
+        ge=1,
+        le=4096,
+        description="Groups per disk segment (one object each). Larger: fewer, bigger writes and reads; "
+        "smaller: less data held in Redis before it reaches the store.",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_groups > 0
+
+
 class AlgorithmSpec(BaseModel):
     """The trainer's algorithm choices. Defaults reproduce the original GRPO recipe.
 
@@ -147,6 +208,10 @@ class JobSpec(BaseModel):
         default_factory=EnvSpec,
         description="Multi-turn environment (tool use, games) and its episode limits; empty name: single-turn.",
     )
+    backlog: BacklogSpec = Field(
+        default_factory=BacklogSpec,
+        description="Keep generating while no trainer holds the job, into a bounded backlog with a disk tier.",
+    )
 
     @field_validator("name")
     @classmethod
@@ -189,6 +254,23 @@ class JobSpec(BaseModel):
                     f"algorithm.advantage_level = 'turn' works with advantage grpo, dr_grpo or rloo, not "
                     f"{a.advantage!r} (distill is already per token)"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _backlog_fits(self) -> Self:
+        b = self.backlog
+        if not b.enabled:
+            return self
+        if b.segment_groups > b.max_groups:
+            raise ValueError(
+                f"backlog.segment_groups ({b.segment_groups}) must not exceed backlog.max_groups ({b.max_groups}): "
+                "a backlog holds at least one segment"
+            )
+        if b.max_age_versions < self.max_staleness:
+            raise ValueError(
+                f"backlog.max_age_versions ({b.max_age_versions}) must be at least max_staleness "
+                f"({self.max_staleness}): groups of the hot window would be dropped as too old"
+            )
         return self
 
     @property

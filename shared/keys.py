@@ -28,6 +28,9 @@ GROUP_ROLLOUT = "rollout"
 GROUP_REWARD = "reward"
 GROUP_REF = "ref"
 GROUP_TRAINER = "trainer"
+# Consumers of the trainer's group on the ready stream that are not the trainer: rollout's
+# spillers (services/rollout/spill.py), named SPILL_CONSUMER + the rollout replica id.
+SPILL_CONSUMER = "spill-"
 
 
 def dataset() -> str:
@@ -76,7 +79,7 @@ def policy_pointer(job_id: str) -> str:
 
 
 def ledger(job_id: str) -> str:
-    """Hash of counters: fed, produced, scored, trained, dropped_*, dead."""
+    """Hash of counters: fed, produced, scored, trained, dropped_*, dead, spilled, backlog_done."""
     return f"{PREFIX}:{job_id}:ledger"
 
 
@@ -108,6 +111,17 @@ def trainer_epoch(job_id: str) -> str:
 def trainer_failures(job_id: str) -> str:
     """Hash attempts/error/at: consecutive failed attempts to load or train a job (services/trainer/progress.py)."""
     return f"{PREFIX}:{job_id}:trainer-failures"
+
+
+def backlog_index(job_id: str) -> str:
+    """Hash segment id -> JSON {groups, remaining, bytes, v_min, v_max, t_min, t_max, status, created_at}:
+    the backlog's disk segments a trainer may take groups from (shared/backlog.py)."""
+    return f"{PREFIX}:{job_id}:backlog"
+
+
+def backlog_done(job_id: str, segment: str) -> str:
+    """Bitmap: bit i set once group i of an indexed segment left the backlog (trained, dropped, dead)."""
+    return f"{PREFIX}:{job_id}:backlog-done:{segment}"
 
 
 def service(role: str, replica: str) -> str:

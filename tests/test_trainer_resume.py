@@ -346,7 +346,7 @@ def test_a_trainer_stalled_past_its_lease_can_never_publish(r, tmp_path, model_d
     """Trainer A checks its lease before writing v3's manifest, then stalls past its TTL; B takes
     the job over; A's late manifest lands. No reader may use it, A can neither move the pointer
     nor acknowledge, and B ends with exactly the uninterrupted run's weights and ledger."""
-    import services.trainer.loop as loop_mod
+    import services.trainer.publish as loop_mod
     from shared.fence import takeovers_after
     from shared.policy import DeposedWrite, fetch_version, read_manifest, read_pointer
 

@@ -22,7 +22,7 @@ def main() -> None:
     build_routes(rt, store)
     rt.start()
     rt.preflight()
-    feeder = Feeder(rt.redis)
+    feeder = Feeder(rt.redis, store)
     checked = [0.0]
 
     def check_orphans() -> None:

@@ -1,9 +1,11 @@
 """The prompt feeder: keeps each running job's prompt stream topped up, never more.
 
-In flight = fed - (trained + dropped + dead-lettered). The feeder keeps that at or
-below (max_staleness + 1) x batch_size (docs/architecture.md, invariant 4): when the trainer
-is away, rollout drains the window and then idles instead of making samples that
-would only be dropped as stale.
+In flight = fed - (trained + dropped + dead-lettered). Without a backlog the feeder keeps that
+at or below (max_staleness + 1) x batch_size (docs/architecture.md, invariant 4): when the
+trainer is away, rollout drains the window and then idles instead of making samples that
+would only be dropped as stale. A job with a backlog may have backlog.max_groups more in
+flight, up to backlog.max_bytes of stored segments, and no more in Redis than its hot limit
+(shared/backlog.py, `feed_room`: the one rule, which rollout's /readyz also reports).
 """
 
 from __future__ import annotations
@@ -16,20 +18,25 @@ from collections.abc import Iterator
 import redis
 
 from shared import keys
+from shared.backlog import budget_problem, feed_room
 from shared.bus import FIELD, trim_job
 from shared.domain.tasks import TaskItem, task_for_job
-from shared.job import JobRecord, JobState, load_job, update_job
+from shared.job import JobRecord, JobState, load_job, set_state, update_job
 from shared.metrics import read_evals, read_ledger
 from shared.policy import read_pointer
 from shared.schema import PromptMsg, encode
+from shared.store import ObjectStore
 
 log = logging.getLogger(__name__)
 TRIM_EVERY_S = 5.0  # retention pass per job; trimming is cheap but need not run every tick
 
 
 class Feeder:
-    def __init__(self, r: redis.Redis) -> None:
+    def __init__(self, r: redis.Redis, store: ObjectStore | None = None) -> None:
+        """`store`: where the jobs' backlogs spill, to check that it can hold their budgets."""
         self.r = r
+        self.store = store
+        self._budget_ok: set[str] = set()  # jobs whose backlog budget the store was checked to hold
         self._iters: dict[str, tuple[int, Iterator[TaskItem]]] = {}
         self._trimmed_at: dict[str, float] = {}
         self._cursors: dict[bytes, bytes] = {}  # metrics stream -> last id seen (for `wait`)
@@ -88,8 +95,10 @@ class Feeder:
             return 0
         if rec.state != JobState.running:
             return 0
+        if not self._budget_holds(rec):
+            return 0
         led = read_ledger(self.r, rec.id)
-        room = rec.spec.inflight_window - led["in_flight"]
+        room, _ = feed_room(self.r, rec, led["in_flight"])
         if room <= 0:
             return 0
         fed = led.get("fed", 0)
@@ -115,6 +124,18 @@ class Feeder:
         pipe.execute()
         self._iters[rec.id] = (fed + n, it)
         return n
+
+    def _budget_holds(self, rec: JobRecord) -> bool:
+        """A backlog budget the store cannot hold fails the job at once, with the reason naming
+        the field: never a backlog that silently stops short of what the job asked for."""
+        if rec.id in self._budget_ok or self.store is None or not rec.spec.backlog.enabled:
+            return True
+        if why := budget_problem(rec.spec, self.store):
+            log.error("job %s: %s; failing it", rec.id, why)
+            set_state(self.r, rec.id, JobState.failed, only_from={JobState.running}, error=f"api: {why}")
+            return False
+        self._budget_ok.add(rec.id)
+        return True
 
     def _trim(self, job_id: str) -> None:
         """Retention: drop stream entries every stage has acknowledged (never pending ones)."""

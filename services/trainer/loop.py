@@ -8,6 +8,10 @@ unacknowledged entries pending; on restart the trainer restores the newest check
 re-publishes its version if that was lost, acks redelivered groups the checkpoint
 already contains, and re-trains the rest first: each group counts exactly once.
 
+Groups come from the ready stream and, for a job with a backlog, from its disk segments
+(services/trainer/sources.py): both are acknowledged the same way, once their checkpoint is
+stored, fenced by the lease.
+
 Burst sessions: with a time budget (or deadline) the trainer measures its own step and
 save-and-upload times and, before the budget runs out, checkpoints and exits cleanly;
 on SIGTERM it abandons a batch it has not yet applied (it stays pending for the next
@@ -18,13 +22,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, deque
+from collections import deque
 
 import torch
 
+from services.trainer.admit import not_trainable, staleness_limit, too_old, zero_variance
 from services.trainer.checkpoint import (
     TrainState,
-    latest_checkpoint,
     load_newest_valid,
     optimizer_from_tensors,
     prune_checkpoints,
@@ -36,48 +40,24 @@ from services.trainer.learner import Aborted, Learner, StepResult
 from services.trainer.policy import load_policy, load_policy_files, policy_files
 from services.trainer.probe import compute_probe
 from services.trainer.progress import JobStuck, StaleStreak, clear_failures
+from services.trainer.publish import claim_job, publish_step, published_at
+from services.trainer.report import log_step, step_point
 from services.trainer.retention import Retention, prune_versions
 from services.trainer.settings import TrainerSettings
+from services.trainer.sources import Ref, SegmentRef, Sources
 from shared import keys
-from shared.bus import Bus, Entry
-from shared.fence import max_epoch, record_takeover, refusal
-from shared.job import JobRecord, JobState, UnreadableJob, load_job, set_state
+from shared.bus import Bus
+from shared.job import JobRecord, JobState, load_job, set_state
 from shared.lease import Lease, LeaseKeeper, LeaseLost
 from shared.metrics import read_ledger, record_point
-from shared.policy import (
-    MANIFEST,
-    Manifest,
-    ProbeMismatch,
-    advance_pointer,
-    check_probe,
-    latest_version,
-    publish_version,
-    read_manifest,
-    version_prefix,
-)
-from shared.schema import Completion, GroupMsg, decode, unpack_f32
-from shared.service import ServiceRuntime, active_job_ids
-from shared.store import ObjectStore, StoreError, VerificationError, get_folder
+from shared.policy import MANIFEST, advance_pointer, version_prefix
+from shared.schema import GroupMsg, decode
+from shared.service import ServiceRuntime
+from shared.store import ObjectStore
 
 log = logging.getLogger(__name__)
 CONSUMER = "trainer"  # one trainer per job (leased), so a fixed name finds its own pending entries
-
-
-def _arrays_consistent(c: Completion) -> bool:
-    """int32 ids, float32 log-probs, uint8 mask (and float32 ref log-probs) of one length, not empty."""
-    n = len(c.token_ids) // 4
-    return (
-        n > 0
-        and len(c.token_ids) == 4 * n
-        and len(c.logprobs) == 4 * n
-        and len(c.loss_mask) == n
-        and (not c.ref_logprobs or len(c.ref_logprobs) == 4 * n)
-    )
-
-
-def _zero_variance(g: GroupMsg, tol: float = 1e-6) -> bool:
-    rewards = [c.reward for c in g.completions]
-    return max(rewards) - min(rewards) <= tol
+__all__ = ["CONSUMER", "JobTrainer", "claim_job"]  # claim_job lives in publish.py (the store-side writes)
 
 
 class JobTrainer:
@@ -130,8 +110,9 @@ class JobTrainer:
         self.state = TrainState()
         self.ckpt_groups: set[str] = set()  # the newest checkpoint's interval: may be redelivered
         self._bus_seen = 0.0  # bus seconds already reported in a metric point
-        self.since_ckpt: list[tuple[Entry, str]] = []  # trained, not yet in a checkpoint (so not acked)
-        self.pending: list[tuple[Entry, GroupMsg]] = []
+        self.since_ckpt: list[tuple[Ref, str]] = []  # trained, not yet in a checkpoint (so not acked)
+        self.pending: list[tuple[Ref, GroupMsg]] = []
+        self.src = Sources(self.r, store, rec, self.bus, self._fence, lambda: self.state.step)
         self.dropped_zero_var = 0  # this session, for metrics (the ledger holds the durable count)
         # Budget: measured durations (seconds) of recent steps and checkpoint saves.
         start = session_start if session_start is not None else time.time()
@@ -144,10 +125,10 @@ class JobTrainer:
         self.publish_times: deque[float] = deque(maxlen=5)
         self.exit_reason = ""
         self.progress = StaleStreak(
-            max_staleness=spec.max_staleness,
+            max_staleness=staleness_limit(spec),
             limit=settings.stuck_groups,
             grace_s=settings.stuck_grace_s,
-            published_at=self._published_at,
+            published_at=lambda v: published_at(self.store, self.rec.id, v),
         )
         self._restore()
 
@@ -191,7 +172,7 @@ class JobTrainer:
                     log.warning("job %s: stopping at step %d: %s", self.rec.id, self.state.step, self.exit_reason)
                     return
                 need = spec.batch_size - len(self.pending)
-                entries = self._read(need, first)
+                entries = self.src.read(need, first)
                 first = False
                 self._admit(entries)
                 if len(self.pending) >= spec.batch_size:
@@ -219,6 +200,7 @@ class JobTrainer:
             self.exit_reason = "lost the lease"
             return
         finally:
+            self.src.close()
             self.comm.broadcast_int(CMD_STOP)
         if self.exit_reason.startswith("time budget"):
             log.info("job %s: %s; exiting the session", self.rec.id, self.exit_reason)
@@ -252,50 +234,41 @@ class JobTrainer:
             return True
         return False
 
-    def _read(self, need: int, own_pending: bool) -> list[Entry]:
-        stream = keys.ready(self.rec.id)
-        if own_pending:
-            return self.bus.read_own(stream, count=10_000)
-        return self.bus.read([stream], count=max(1, need), block_ms=1000)
-
-    def _admit(self, entries: list[Entry]) -> None:
-        spec, version = self.rec.spec, self.state.step
+    def _admit(self, entries: list[Ref]) -> None:
+        spec, version, now = self.rec.spec, self.state.step, time.time()
         queued = {g.group_id for _, g in self.pending} | {gid for _, gid in self.since_ckpt}
         held = {e.id for e, _ in self.pending} | {e.id for e, _ in self.since_ckpt}
         # Our own entry again (re-read of our pending list, or reclaimed from ourselves): it is
         # acknowledged with its checkpoint, not before.
         fresh = [e for e in entries if e.id not in held]
-        for e, g in self.bus.decode(fresh, GroupMsg):
+        for e, g in self.src.decode(fresh):
             if g.group_id in self.ckpt_groups:
                 # Redelivered after a crash between storing the checkpoint and acking it: its
                 # gradient is in the weights, and the ack (with its ledger count) never happened.
                 self._ack([e], "trained")
-            elif g.stage != "ready" or (spec.uses_ref and not all(c.ref_logprobs for c in g.completions)):
-                self.bus.dead_letter(e, f"group not ready for training (stage {g.stage!r}, ref log-probs missing?)")
-            elif not all(_arrays_consistent(c) for c in g.completions):
-                self.bus.dead_letter(e, "completion arrays of different lengths (token ids / log-probs / mask / ref)")
-            elif not g.completions or len(g.completions) != spec.group_size:
-                self.bus.dead_letter(e, f"group has {len(g.completions)} completions, job wants {spec.group_size}")
-            elif version - g.policy_version > spec.max_staleness:
-                self._ack([e], "dropped_stale")
-                self.progress.stale(g, version)
-            elif spec.algorithm.dynamic_sampling and _zero_variance(g):
+            elif why := not_trainable(g, spec):
+                self.src.dead_letter(e, why)
+            elif old := too_old(g, spec, version, now):
+                self._ack([e], old)
+                if version - g.policy_version > staleness_limit(spec):
+                    self.progress.stale(g, version)
+            elif spec.algorithm.dynamic_sampling and zero_variance(g):
                 # DAPO dynamic sampling: no advantage signal; the batch fills with informative groups.
                 self._ack([e], "dropped_zero_variance")
                 self.dropped_zero_var += 1
             elif g.group_id in queued:
                 # Another entry carrying a group we already hold; the ledger counted the group
                 # once, so this extra copy is acknowledged without a count.
-                self.bus.ack([e], fence=self._fence())
+                self.src.ack([e], None)
             else:
                 self.pending.append((e, g))
                 queued.add(g.group_id)
         if why := self.progress.stuck():
             raise JobStuck(why)
 
-    def _ack(self, entries: list[Entry], counter: str) -> None:
+    def _ack(self, entries: list[Ref], counter: str) -> None:
         """Acknowledge with one ledger count each, as the lease holder (raises LeaseLost if not)."""
-        self.bus.ack(entries, {self.rec.id: {counter: len(entries)}}, fence=self._fence())
+        self.src.ack(entries, counter)
 
     def _fence(self):  # noqa: ANN202 (Fence | None)
         return self.lease.fence if self.lease is not None else None
@@ -309,7 +282,7 @@ class JobTrainer:
         if not self.lease.held():
             raise LeaseLost(f"job {self.rec.id}: lease lost (another trainer holds it now)")
 
-    def _step(self, items: list[tuple[Entry, GroupMsg]], wait_s: float) -> None:
+    def _step(self, items: list[tuple[Ref, GroupMsg]], wait_s: float) -> None:
         spec = self.rec.spec
         t0 = time.time()
         groups = [g for _, g in items]
@@ -348,7 +321,7 @@ class JobTrainer:
 
     def _record(
         self,
-        items: list[tuple[Entry, GroupMsg]],
+        items: list[tuple[Ref, GroupMsg]],
         res: StepResult,
         *,
         wait_s: float,
@@ -357,68 +330,33 @@ class JobTrainer:
         t_ckpt: float,
         checkpointed: bool,
     ) -> None:
-        spec = self.rec.spec
-        groups = [g for _, g in items]
-        rewards = torch.tensor([[c.reward for c in g.completions] for g in groups], dtype=torch.float32)
-        staleness = [self.state.step - 1 - g.policy_version for g in groups]
-        hist = Counter(staleness)
-        lengths = [len(unpack_f32(c.logprobs)) for g in groups for c in g.completions]
-        busy = t_train + t_pub + t_ckpt
-        total = wait_s + busy
-        # Time inside the bus (reads that found data, settle scripts) since the last point:
-        # what the Redis transport costs a step, blocking for new data excluded.
         bus_total = self.bus.stats.read_s + self.bus.stats.settle_s
         bus_s, self._bus_seen = bus_total - self._bus_seen, bus_total
-        point = {
-            "step": self.state.step,
-            "loss": res.stats.get("loss", 0.0),
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-            "reward_min": float(rewards.min()),
-            "reward_max": float(rewards.max()),
-            "zero_variance_groups": int(sum(_zero_variance(g) for g in groups)),
+        st = self.src.stats
+        extra = {
             "dropped_zero_variance": self.dropped_zero_var,
-            "grad_norm": res.grad_norm,
-            "lr": res.lr,
-            "updates": res.updates,
-            "groups": len(groups),
-            "tokens": res.tokens,
-            "completion_len_mean": sum(lengths) / max(1, len(lengths)),
-            "staleness_mean": sum(staleness) / len(staleness),
-            "staleness_max": max(staleness),
-            "staleness_hist": {str(k): hist[k] for k in sorted(hist)},
-            "wait_s": round(wait_s, 3),
-            "train_s": round(t_train, 3),
-            "fwd_bwd_s": round(res.fwd_bwd_s, 3),
-            "optim_s": round(res.optim_s, 3),
-            "publish_s": round(t_pub, 3),
-            "checkpoint_s": round(t_ckpt, 3),
-            "checkpointed": checkpointed,
-            "idle_frac": round(wait_s / total, 4) if total > 0 else 0.0,
-            "bus_s": round(bus_s, 5),
             # The ledger as a time series (fed, trained, dropped_*, dead, in flight per step).
             "ledger": read_ledger(self.r, self.rec.id),
-            "bus_frac": round(bus_s / busy, 5) if busy > 0 else 0.0,
-            "tokens_per_s": round(res.tokens / t_train, 1) if t_train > 0 else 0.0,
-            **{k: v for k, v in res.stats.items() if k != "loss"},
+            "backlog_groups": sum(isinstance(e, SegmentRef) for e, _ in items),  # of this batch, from segments
+            "backlog_segments_read": st.segments_read,
+            "backlog_segments_refused": st.segments_refused,
+            "backlog_wait_s": round(st.wait_s, 3),
         }
-        record_point(self.r, self.rec.id, "trainer", point)
-        log.info(
-            "job %s step %d/%d: reward %.3f loss %.4f mismatch_kl %.4f is_frac %.3f stale %s "
-            "(wait %.1fs train %.2fs publish %.2fs ckpt %.2fs)",
-            self.rec.id,
+        groups = [g for _, g in items]
+        point = step_point(
             self.state.step,
-            spec.steps,
-            point["reward_mean"],
-            point["loss"],
-            res.stats.get("mismatch_kl", 0.0),
-            res.stats.get("is_frac", 0.0),
-            point["staleness_hist"],
-            wait_s,
-            t_train,
-            t_pub,
-            t_ckpt,
+            groups,
+            res,
+            wait_s=wait_s,
+            t_train=t_train,
+            t_pub=t_pub,
+            t_ckpt=t_ckpt,
+            checkpointed=checkpointed,
+            bus_s=bus_s,
+            extra=extra,
         )
+        record_point(self.r, self.rec.id, "trainer", point)
+        log_step(self.rec.id, self.rec.spec.steps, point)
 
     # -- checkpoints -------------------------------------------------------------------
     def _checkpoint(self, files: dict[str, bytes] | None = None, *, ack: bool = True) -> float:
@@ -468,62 +406,19 @@ class JobTrainer:
             dt = self._checkpoint()
             log.info("job %s: exit checkpoint at step %d (%.2fs)", self.rec.id, self.state.step, dt)
 
-    def _published_at(self, version: int) -> float | None:
-        """When version's manifest was written (None: not published, or unreadable)."""
-        if version <= 0:
-            return None
-        try:
-            return read_manifest(self.store, self.rec.id, version).created_at
-        except (StoreError, ValueError, TypeError):
-            return None
-
     def _epoch(self) -> int:
         return self.lease.epoch if self.lease is not None else 0
 
     # -- publishing ------------------------------------------------------------------
     def _publish(self, files: dict[str, bytes]) -> None:
         v = self.state.step
-        prefix = version_prefix(self.rec.id, v)
         probe = compute_probe(self.model, self.tok, self.rec.spec.task)
-        if self.store.exists(f"{prefix}/{MANIFEST}"):
-            why = self._existing_version_problem(v, probe)
-            if not why:
-                # Re-trained after resuming from an older checkpoint: versions are immutable, and
-                # this one is ours in all but name (its probe agrees with these weights).
-                log.info("job %s: policy v%d already published and matches these weights; keeping it", self.rec.id, v)
-                return
-            # Rollout would refuse it (or serve weights that are not ours). Replace it, manifest
-            # first, so no reader ever sees the new files under the old manifest.
-            log.error("job %s: policy v%d in the store %s; publishing it again", self.rec.id, v, why)
-            self._assert_lease()
-            self.store.delete(f"{prefix}/{MANIFEST}")
-        m = Manifest(
-            job_id=self.rec.id,
-            version=v,
-            step=v,
-            base_model=self.rec.spec.base_model,
-            files={},
-            probe=probe,
-            epoch=self._epoch(),
+        tol = self.s.republish_probe_tolerance
+        at = publish_step(
+            self.store, self.rec, v, files, probe, epoch=self._epoch(), tolerance=tol, assert_lease=self._assert_lease
         )
-        publish_version(self.store, m, files, before_manifest=self._assert_lease)
-        self.progress.published(v, m.created_at)
-
-    def _existing_version_problem(self, v: int, probe: dict[str, list]) -> str:
-        """Why the stored version v must be replaced ("" when it may stay): torn or tampered
-        files, a deposed trainer's write, or weights other than these (a forged version)."""
-        try:
-            meta, _ = get_folder(self.store, version_prefix(self.rec.id, v))  # every hash checked
-            m = Manifest(**meta)
-        except (VerificationError, StoreError, ValueError, KeyError, TypeError) as e:
-            return f"is corrupt ({type(e).__name__}: {e})"
-        if why := refusal(self.store, self.rec.id, "version", v, m.epoch):
-            return f"was written by a deposed trainer ({why})"
-        try:
-            check_probe(m.probe, probe["logprobs"], self.s.republish_probe_tolerance)
-        except ProbeMismatch as e:
-            return f"does not hold these weights ({e})"
-        return ""
+        if at is not None:
+            self.progress.published(v, at)
 
     def _publish_if_missing(self) -> None:
         if not self.store.exists(f"{version_prefix(self.rec.id, self.state.step)}/{MANIFEST}"):
@@ -535,35 +430,3 @@ class JobTrainer:
         if self.lease is not None:
             advance_pointer(self.r, self.rec.id, v, self.lease.fence)
         self.rt.gauges["policy_versions"] = {self.rec.id: v}
-
-
-def claim_job(rt: ServiceRuntime, settings: TrainerSettings, store: ObjectStore) -> tuple[JobRecord, Lease] | None:
-    """The first running job (or the configured one) whose lease we can take, with that lease.
-
-    Taking the lease bumps the job's fencing epoch; before anything else the new holder
-    records the takeover in the store (shared/fence.py), so whatever a deposed holder writes
-    from now on is refused by every reader."""
-    candidates = [settings.job] if settings.job else active_job_ids(rt.redis)
-    for job_id in candidates:
-        try:
-            rec = load_job(rt.redis, job_id)
-        except UnreadableJob as e:
-            log.error("%s; skipped", e)
-            continue
-        if rec is None or rec.state != JobState.running:
-            continue
-        lease = Lease(rt.redis, job_id, settings.replica, settings.lease_s)
-        if not lease.acquire(floor=max_epoch(store, job_id)):  # never an epoch the store has seen
-            continue
-        try:
-            version = latest_version(store, job_id)
-            ckpt = latest_checkpoint(store, job_id)
-            record_takeover(
-                store, job_id, lease.epoch, lease.token, version=version, checkpoint=-1 if ckpt is None else ckpt
-            )
-        except BaseException:
-            lease.release()
-            raise
-        log.info("job %s: lease taken (epoch %d; store has v%d, checkpoint %s)", job_id, lease.epoch, version, ckpt)
-        return rec, lease
-    return None
