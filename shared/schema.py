@@ -132,6 +132,7 @@ class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
     sandbox: str = ""
     ref_model: str = ""
     ref_engine: str = ""
+    idle_frac: float | None = None  # rollout: wall time not in the engine over its last window
 
 
 # Top level flat (one series per key); a value may be a small dict or list (histograms, parts).

@@ -62,9 +62,13 @@ def main() -> None:
         return
     rt.health.set("engine", True)
     rt.preflight()
+    from services.rollout.spill import Spiller
     from services.rollout.worker import RolloutWorker
 
-    worker = RolloutWorker(rt, settings, engine, open_store(settings.store_url))
+    store = open_store(settings.store_url)
+    worker = RolloutWorker(rt, settings, engine, store)
+    # Beside the engine loop: moves the ready groups of backlog jobs beyond their hot window to the store.
+    Spiller(rt, store, replica=settings.replica, model=settings.model, claim_idle_s=settings.claim_idle_s).start()
     try:
         while not rt.stop.is_set():
             rt.survive(worker.tick)
