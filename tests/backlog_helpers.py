@@ -123,3 +123,19 @@ def group_ids_of(payloads: list[bytes]) -> list[str]:
 
 def fake_rt(r: redis.Redis) -> SimpleNamespace:
     return SimpleNamespace(redis=r, stop=threading.Event(), gauges={})
+
+
+def roll(r: redis.Redis, job_id: str, *, limit: int = 1000, consumer: str = "fake-rollout") -> int:
+    """A stand-in for rollout (and reward): prompts become ready groups through the real bus,
+    settled with the ledger counter as the stages do. Returns the groups made."""
+    from shared.schema import PromptMsg
+
+    bus = Bus(r, keys.GROUP_ROLLOUT, consumer)
+    entries = bus.read([keys.prompts(job_id)], count=limit, block_ms=1)
+    units = []
+    for e, msg in bus.decode(entries, PromptMsg):
+        i = int(msg.group_id.rsplit("g", 1)[1])
+        g = group(job_id, i)
+        g.group_id = msg.group_id
+        units.append((e, [(keys.ready(job_id), encode(g))], {"produced": 1}))
+    return bus.settle(units)

@@ -119,11 +119,13 @@ class Sources:
             return list(self.bus.read([self.stream], count=need, block_ms=1000))
         if not self.freshest:
             got: list[Ref] = list(self._from_segments(need, wait_s=1.0))
-            return got or list(self.bus.read([self.stream], count=need, block_ms=1000 if not self._order else 1))
+            if got or self.segments_waiting():  # the hot stream only once no segment is left
+                return got
+            return list(self.bus.read([self.stream], count=need, block_ms=1000))
         got = list(self.bus.read([self.stream], count=need, block_ms=1))  # block_ms=0 would block forever
         if len(got) < need:
             got += self._from_segments(need - len(got), wait_s=0.0 if got else 1.0)
-        if got or self._order or self._open:
+        if got or self.segments_waiting():
             return got
         return list(self.bus.read([self.stream], count=need, block_ms=1000))
 
@@ -184,7 +186,8 @@ class Sources:
         self._order = [s for s in self._order if s not in self._fetching and s not in self._handed]
 
     def segments_waiting(self) -> int:
-        return len(self._order) + len(self._fetching)
+        """Indexed segments not handed out yet (queued, being fetched, or partly handed out)."""
+        return len(self._order) + len(self._fetching) + (1 if self._open else 0)
 
     # -- decoding, acknowledging, refusing ---------------------------------------------
     def decode(self, refs: list[Ref]) -> list[tuple[Ref, GroupMsg]]:
