@@ -14,6 +14,7 @@ import msgspec
 import redis
 
 from shared import keys
+from shared.backlog import summary as backlog_summary
 from shared.job import JobRecord
 from shared.metrics import read_evals, read_ledger
 from shared.policy import read_pointer
@@ -73,6 +74,7 @@ def job_overview(r: redis.Redis, rec: JobRecord, services: list[dict[str, Any]])
             v = versions[rec.id]
             adoption.append({"role": svc["role"], "replica": svc["replica"], "version": v, "behind": pointer - v})
     evals = read_evals(r, rec.id)
+    ledger = read_ledger(r, rec.id)
     return {
         "id": rec.id,
         "state": rec.state.value,
@@ -80,10 +82,12 @@ def job_overview(r: redis.Redis, rec: JobRecord, services: list[dict[str, Any]])
         "steps": rec.spec.steps,
         "created_at": rec.created_at,
         "policy_version": pointer,
-        "ledger": read_ledger(r, rec.id),
+        "ledger": ledger,
         "queues": queues,
         "adoption": adoption,
         "last_eval": evals[-1] if evals else None,
+        # The disk tier: groups, bytes, the age of the oldest, and the budget that is full (None: windowed job).
+        "backlog": backlog_summary(r, rec, pointer, ledger["in_flight"]),
     }
 
 

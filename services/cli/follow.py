@@ -100,6 +100,23 @@ def print_summary(status: dict[str, Any], console: Console) -> None:
     console.print(t)
     led = status["ledger"]
     console.print("ledger: " + ", ".join(f"{k}={v}" for k, v in sorted(led.items())))
+    if "backlog" in status:
+        console.print(backlog_line(status["backlog"]))
+    for replica, idle in sorted((status.get("rollout_idle") or {}).items()):
+        console.print(f"rollout {replica}: idle {100 * idle:.1f}% of its last window")
+
+
+def backlog_line(b: dict[str, Any] | None) -> str:
+    """The backlog of a job in one line (`burstrl status JOB`); None: a windowed job."""
+    if b is None:
+        return "backlog: none (windowed: rollout idles while no trainer takes groups)"
+    line = f"backlog: {b['groups']} groups, {b['bytes'] / 1e6:.1f} MB in {b['segments']} segments"
+    if b["groups"]:
+        line += f"; oldest {b['oldest_versions']} versions / {b['oldest_hours']:.2f} h behind"
+    line += f"; budget {b['max_groups']} groups / {b['max_bytes'] / 1e6:.0f} MB; {b['order']} first"
+    if b.get("full"):
+        line += f"; [yellow]FULL: {b['full']}[/]"
+    return line
 
 
 def print_services(services: list[dict[str, Any]], console: Console) -> None:

@@ -206,7 +206,18 @@ def status(job_id: Annotated[str | None, typer.Argument()] = None, api: str | No
     from services.cli.follow import print_services, print_summary
 
     if job_id:
-        print_summary(httpx.get(f"{_api(api)}/v1/jobs/{job_id}", headers=_headers(), timeout=10).json(), console)
+        status = httpx.get(f"{_api(api)}/v1/jobs/{job_id}", headers=_headers(), timeout=10).json()
+        # The backlog and rollout's idle fraction come with the dashboard's view of the job.
+        dash = httpx.get(f"{_api(api)}/v1/dashboard", headers=_headers(), timeout=10).json()
+        for j in dash.get("jobs", []):
+            if j["id"] == job_id:
+                status["backlog"] = j.get("backlog")
+        status["rollout_idle"] = {
+            s["replica"]: s["idle_frac"]
+            for s in dash.get("services", [])
+            if s["role"] == "rollout" and s.get("idle_frac") is not None
+        }
+        print_summary(status, console)
     else:
         print_services(httpx.get(f"{_api(api)}/v1/services", headers=_headers(), timeout=10).json(), console)
 

@@ -18,7 +18,7 @@ const GROUPS = [
 const NOT_SERIES = new Set(["id", "at", "source", "step"]);
 
 // Exposed for tests and for poking at from the devtools console.
-const state = { job: null, cursor: null, points: { trainer: [], rollout: [] }, evals: [], charts: {}, refreshes: 0 };
+const state = { job: null, cursor: null, points: { trainer: [], rollout: [], backlog: [] }, evals: [], charts: {}, refreshes: 0 };
 window.burstrl = state;
 state.seriesLength = (name) => {
   const c = state.charts[name];
@@ -72,7 +72,7 @@ function flatten(obj, prefix, out) {
 function renderServices(services) {
   const body = document.querySelector("#services tbody");
   body.replaceChildren();
-  if (!services.length) body.append(el("tr", {}, el("td", { colspan: 7, class: "empty" }, "no service is heartbeating")));
+  if (!services.length) body.append(el("tr", {}, el("td", { colspan: 8, class: "empty" }, "no service is heartbeating")));
   for (const s of services) {
     const versions = Object.entries(s.policy_versions || {}).map(([j, v]) => j + ": v" + v).join(", ");
     const reasons = Object.entries(s.reasons || {}).map(([k, v]) => k + ": " + v).join("; ");
@@ -91,6 +91,8 @@ function renderServices(services) {
         ),
         el("td", {}, s.age_s),
         el("td", {}, versions),
+        // Rollout: wall time not spent in the engine over its last window (the home cards idling).
+        el("td", { "data-idle": "" }, typeof s.idle_frac === "number" ? (100 * s.idle_frac).toFixed(1) + "%" : ""),
         el("td", {}, reasons),
       ),
     );
@@ -100,7 +102,7 @@ function renderServices(services) {
 function renderJobs(jobs) {
   const body = document.querySelector("#jobs tbody");
   body.replaceChildren();
-  if (!jobs.length) body.append(el("tr", {}, el("td", { colspan: 8, class: "empty" }, "no jobs yet")));
+  if (!jobs.length) body.append(el("tr", {}, el("td", { colspan: 9, class: "empty" }, "no jobs yet")));
   for (const j of jobs) {
     const ledger = Object.entries(j.ledger).map(([k, v]) => k + "=" + v).join(" ");
     const queues = Object.entries(j.queues)
@@ -114,6 +116,8 @@ function renderJobs(jobs) {
       adoption.append(line);
     }
     const acc = j.last_eval ? "v" + j.last_eval.version + ": " + Number(j.last_eval.accuracy).toFixed(3) : "-";
+    const backlog = el("td", { "data-backlog": "", style: "white-space: pre" }, backlogText(j.backlog));
+    if (j.backlog && j.backlog.full) backlog.className = "warn";
     const row = el(
       "tr",
       { "data-job": j.id, class: j.id === state.job ? "selected" : "" },
@@ -123,6 +127,7 @@ function renderJobs(jobs) {
       el("td", {}, "v" + j.policy_version + " / " + j.steps),
       el("td", {}, ledger),
       el("td", { style: "white-space: pre" }, queues),
+      backlog,
       adoption,
       el("td", {}, acc),
     );
@@ -136,6 +141,17 @@ function renderJobs(jobs) {
   }
   if (state.job === null && ids.length) selectJob(ids[0]);
   sel.value = state.job || "";
+}
+
+// The disk tier of a job's queue: what it holds, how old, how full (null: a windowed job).
+function backlogText(b) {
+  if (!b) return "none (windowed)";
+  const mb = (b.bytes / 1e6).toFixed(1);
+  const lines = [b.groups + " groups, " + mb + " MB in " + b.segments + " segments (" + b.order + " first)"];
+  if (b.groups) lines.push("oldest " + b.oldest_versions + " versions, " + Number(b.oldest_hours).toFixed(2) + " h behind");
+  lines.push("budget " + b.max_groups + " groups, " + (b.max_bytes / 1e6).toFixed(0) + " MB");
+  if (b.full) lines.push("FULL: " + b.full);
+  return lines.join("\n");
 }
 
 // -- charts -----------------------------------------------------------------------
@@ -204,6 +220,17 @@ function renderCharts() {
     const r = columns(pts, (p) => p.at);
     drawChart("rollout", "Rollout", "time", r.keys, [r.rows.map((x) => x[0]), ...r.keys.map((k) => r.rows.map((x) => x[1][k] ?? null))], true);
   }
+  // The backlog over wall-clock time, with rollout's idle fraction beside it.
+  if (state.points.backlog && state.points.backlog.length) {
+    const pts = state.points.backlog.map((p) => ({ at: p.at, groups: p.groups, MB: p.bytes / 1e6, oldest_versions: p.oldest_versions }));
+    const b = columns(pts, (p) => p.at);
+    drawChart("backlog", "Backlog (disk tier)", "time", b.keys, [b.rows.map((x) => x[0]), ...b.keys.map((k) => b.rows.map((x) => x[1][k] ?? null))], true);
+    const idle = state.points.backlog.filter((p) => typeof p.rollout_idle_frac === "number").map((p) => ({ at: p.at, rollout_idle_frac: p.rollout_idle_frac }));
+    if (idle.length) {
+      const i = columns(idle, (p) => p.at);
+      drawChart("idle", "Rollout idle fraction", "time", i.keys, [i.rows.map((x) => x[0]), ...i.keys.map((k) => i.rows.map((x) => x[1][k] ?? null))], true);
+    }
+  }
   if (!Object.keys(state.charts).length) {
     const box = document.getElementById("charts");
     if (!box.querySelector(".empty")) box.append(el("p", { class: "empty" }, "no metric points yet"));
@@ -216,7 +243,7 @@ function selectJob(id) {
   if (state.job === id) return;
   state.job = id;
   state.cursor = null;
-  state.points = { trainer: [], rollout: [] };
+  state.points = { trainer: [], rollout: [], backlog: [] };
   state.evals = [];
   for (const c of Object.values(state.charts)) c.plot.destroy();
   state.charts = {};
