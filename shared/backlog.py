@@ -41,13 +41,34 @@ from shared import keys
 from shared.bus import FIELD
 from shared.job import JobRecord, JobSpec
 from shared.lease import Fence, LeaseLost
-from shared.schema import GroupMsg
+from shared.schema import SCHEMA_VERSION, GroupMsg
 from shared.store import MANIFEST, FileStore, ObjectStore, StoreError, VerificationError, put_folder
 
 DATA = "groups.msgpack"
 FORMAT = 1
 _list_of_bytes = msgspec.msgpack.Decoder(list[bytes])
 _encoder = msgspec.msgpack.Encoder()
+
+
+class GroupHead(msgspec.Struct, tag="group", tag_field="type", kw_only=True):
+    """What a segment's summary needs of a GroupMsg; decoding only this skips the completions'
+    arrays (the spiller's cost per group). The trainer decodes and checks every group in full."""
+
+    v: int = SCHEMA_VERSION
+    job_id: str
+    policy_version: int
+    sampled_at: float = 0.0
+
+
+_head_decoder = msgspec.msgpack.Decoder(GroupHead)
+
+
+def group_head(payload: bytes) -> GroupHead:
+    """Raises msgspec.DecodeError / ValidationError, or TypeError for another schema version."""
+    h = _head_decoder.decode(payload)
+    if h.v != SCHEMA_VERSION:
+        raise TypeError(f"schema version {h.v} is not {SCHEMA_VERSION}")
+    return h
 
 
 class SegmentRefused(VerificationError):
@@ -86,7 +107,7 @@ class SegmentInfo:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
-def pack(payloads: list[bytes], msgs: list[GroupMsg]) -> tuple[bytes, SegmentInfo]:
+def pack(payloads: list[bytes], msgs: list[GroupMsg] | list[GroupHead]) -> tuple[bytes, SegmentInfo]:
     """The data file of a segment and its summary."""
     if not payloads or len(payloads) != len(msgs):
         raise ValueError(f"a segment needs one message per payload, got {len(payloads)}/{len(msgs)}")

@@ -106,12 +106,15 @@ return acked
 
 
 # KEYS: ready stream, ledger, backlog index. ARGV: group, consumer, segment id, index entry JSON,
-# entry ids... All or nothing: -1 (nothing done) unless every entry is still pending to this
+# entry ids in stream order... All or nothing: -1 (nothing done) unless every entry is still pending to this
 # consumer (the trainer may have taken some over: they must not be trained and spilled both),
 # -2 if the segment is indexed already; else XACK them all, count them spilled, index the segment.
 SPILL_LUA = """
+local lo, hi = ARGV[5], ARGV[#ARGV]  -- the ids come in stream order
+local mine = {}
+for _, p in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], lo, hi, 100000, ARGV[2])) do mine[p[1]] = true end
 for i = 5, #ARGV do
-  if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2]) == 0 then return -1 end
+  if not mine[ARGV[i]] then return -1 end
 end
 if redis.call('HEXISTS', KEYS[3], ARGV[3]) == 1 then return -2 end
 local n = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 5))
@@ -247,6 +250,7 @@ class Bus:
         stream = keys.ready(job_id)
         if any(e.stream != stream for e in entries):
             raise ValueError("spill() takes entries of one job's ready stream")
+        entries = sorted(entries, key=lambda e: tuple(int(x) for x in e.id.split("-")))
         t0 = time.perf_counter()
         n = int(
             self._spill_script(

@@ -110,7 +110,7 @@ def test_a_spill_whose_entries_were_taken_over_is_never_indexed(r, redis_server,
     assert r.xpending(keys.ready(rec.id), keys.GROUP_TRAINER)["pending"] == 8  # nothing acknowledged
     # The spiller's own 7 are spilled on its next pass (a smaller segment); the trainer keeps its one.
     sp = spiller(runtime(redis_server.url), store)
-    assert sp.spill_one(rec) == 7
+    assert sp.spill_pass(rec) == 7
     assert trainer.read_own(keys.ready(rec.id), count=10)[0].id == entries[0].id
     _balanced(r, rec.id)
 
@@ -122,8 +122,8 @@ def test_a_dead_spillers_entries_are_taken_over_by_another(r, redis_server, stor
     taken = dead.read_new(keys.ready(rec.id), count=8)
     time.sleep(2.1)  # the bus never snatches an entry delivered less than 2 s ago
     sp = spiller(runtime(redis_server.url, replica="r2"), store, replica="r2")
-    assert sp.spill_one(rec) == 8  # the dead one's first
-    seg = next(iter(read_index(r, rec.id)))
+    assert sp.spill_pass(rec) == 16  # the dead one's 8 first, then 8 beyond the hot window
+    seg = next(iter(read_index(r, rec.id)))  # the oldest segment
     assert group_ids_of(read_segment(store, rec.id, seg)) == [f"{rec.id}:g{i}" for i in range(8)]
     assert len(taken) == 8
     _balanced(r, rec.id)

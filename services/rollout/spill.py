@@ -12,6 +12,8 @@ Per segment, exactly once:
 2. write the segment: its data file, then its manifest;
 3. in one script (Bus.spill): check each entry is still pending to us, XACK them, bump the
    ledger's `spilled`, index the segment.
+A pass takes up to SEGMENTS_PER_PASS segments' entries from Redis and hands each to one of
+SPILL_WRITERS threads for 2 and 3, so the store's writes overlap each other and the reads.
 A crash before 3 leaves the entries pending, to be spilled again into a new segment; the
 first one, never indexed, is an orphan that nobody trains and the sweep deletes by age.
 
@@ -33,16 +35,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import msgspec
 import redis
 from prometheus_client import Counter, Gauge
 
 from shared import keys
 from shared.backlog import (
+    GroupHead,
     delete_segment,
     expire_segments,
     feed_room,
+    group_head,
     new_segment_id,
     pack,
     read_index,
@@ -50,17 +56,17 @@ from shared.backlog import (
     summary,
     write_segment,
 )
-from shared.bus import Bus, undelivered
+from shared.bus import Bus, Entry, undelivered
 from shared.job import JobRecord, JobState, UnreadableJob, load_job, same_model
 from shared.metrics import read_ledger, record_point
 from shared.policy import read_pointer
-from shared.schema import GroupMsg
 from shared.service import ServiceRuntime, active_job_ids
 from shared.store import ObjectStore
 
 log = logging.getLogger(__name__)
 INTERVAL_S = 0.5  # between passes over the jobs
-SEGMENTS_PER_PASS = 16  # per job, so one job's backlog never starves the others' spills
+SEGMENTS_PER_PASS = 16  # per job and pass, so one job's backlog never starves the others' spills
+SPILL_WRITERS = 4  # segments written to the store at once (each one object write plus its manifest)
 POINT_EVERY_S = 10.0  # backlog metric points and gauges
 EXPIRE_EVERY_S = 30.0
 ORPHAN_EVERY_S = 600.0
@@ -92,6 +98,7 @@ class Spiller:
             owner_prefix=keys.SPILL_CONSUMER,
         )
         self._clocks: dict[str, _JobClock] = {}
+        self._pool: ThreadPoolExecutor | None = None
         self._backoff_until = 0.0
         self._failures = 0
         reg = rt.registry
@@ -158,40 +165,56 @@ class Spiller:
             # Only while no trainer holds the job (mark_done checks, atomically); a trainer drops them itself.
             if n := expire_segments(self.r, self.store, rec, read_pointer(self.r, rec.id), fence=None):
                 log.warning("job %s: dropped %d backlog groups past the age limit (dropped_age)", rec.id, n)
-        spilled = 0
-        for _ in range(SEGMENTS_PER_PASS):
-            n = self.spill_one(rec)
-            if not n:
-                break
-            spilled += n
+        spilled = self.spill_pass(rec)
         if now - clock.orphans >= ORPHAN_EVERY_S:
             clock.orphans = now
             self.sweep_orphans(rec.id)
         self._report(rec, clock, now)
         return spilled
 
-    # -- one segment -----------------------------------------------------------------
-    def spill_one(self, rec: JobRecord) -> int:
-        """Spill one segment of the job if there is one to spill; returns its groups (0: none)."""
+    # -- spilling ----------------------------------------------------------------------
+    def spill_pass(self, rec: JobRecord) -> int:
+        """Spill what lies beyond the job's hot window, up to SEGMENTS_PER_PASS segments; returns
+        the groups spilled. Waits for its writes: the next pass's own pending entries are then
+        only those whose write failed."""
         if time.monotonic() < self._backoff_until:
             return 0
         spec, stream = rec.spec, keys.ready(rec.id)
-        size = spec.backlog.segment_groups
-        entries = self.bus.read_own(stream, count=size)  # a spill that failed before its script
-        if not entries and self.bus.take_from_gone(stream, count=size):
-            entries = self.bus.read_own(stream, count=size)  # a dead spiller's
-        if not entries:
-            hot = spec.inflight_window
-            if undelivered(self.r, stream, keys.GROUP_TRAINER, limit=hot + size) < hot + size:
-                return 0  # within the hot window: the trainer takes these from Redis
-            entries = self.bus.read_new(stream, count=size)
-        items = self.bus.decode(entries, GroupMsg)  # what does not decode is dead-lettered here
+        size, most = spec.backlog.segment_groups, spec.backlog.segment_groups * SEGMENTS_PER_PASS
+        own = self.bus.read_own(stream, count=most)  # spills that failed before their script
+        if not own and self.bus.take_from_gone(stream, count=most):
+            own = self.bus.read_own(stream, count=most)  # a dead spiller's
+        writes = [self._write(rec, own[i : i + size]) for i in range(0, len(own), size)]
+        hot = spec.inflight_window  # the trainer takes these straight from Redis
+        beyond = undelivered(self.r, stream, keys.GROUP_TRAINER, limit=hot + most) - hot
+        n = min(beyond // size, SEGMENTS_PER_PASS - len(writes))
+        if n > 0:
+            new = self.bus.read_new(stream, count=n * size)  # whole segments only, one round trip
+            writes += [self._write(rec, new[i : i + size]) for i in range(0, len(new), size)]
+        return sum(w.result() for w in writes)
+
+    def _write(self, rec: JobRecord, entries: list[Entry]) -> Future[int]:
+        """Read each group's head here (what does not decode is dead-lettered), then write and index
+        in a writer thread."""
+        items: list[tuple[Entry, GroupHead]] = []
+        for e in entries:
+            try:
+                items.append((e, group_head(e.data)))
+            except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as err:
+                self.bus.dead_letter(e, f"undecodable GroupMsg: {err}")
+        seg = new_segment_id()  # taken in stream order: the trainer's `oldest` order
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(SPILL_WRITERS, thread_name_prefix="spill-write")
         if not items:
-            return 0
-        data, info = pack([e.data for e, _ in items], [g for _, g in items])
-        seg = new_segment_id()
+            done: Future[int] = Future()
+            done.set_result(0)
+            return done
+        return self._pool.submit(self._write_and_index, rec.id, seg, [e for e, _ in items], [g for _, g in items])
+
+    def _write_and_index(self, job_id: str, seg: str, entries: list[Entry], groups: list[GroupHead]) -> int:
+        data, info = pack([e.data for e in entries], groups)
         try:
-            write_segment(self.store, rec.id, seg, data, info)
+            write_segment(self.store, job_id, seg, data, info)
         except Exception as e:  # the store is down or refusing: pause, say so; the entries stay pending to us
             self._store_failed(e)
             return 0
@@ -199,16 +222,16 @@ class Spiller:
             log.info("the object store takes segments again; spilling resumed")
             self._failures = 0
             self.rt.health.set("spill", True, scope="job")
-        n = self.bus.spill([e for e, _ in items], seg, info.to_json())
+        n = self.bus.spill(entries, seg, info.to_json())
         if n == 0:  # an entry was taken over meanwhile (the trainer): this copy must never be trained
             try:
-                delete_segment(self.store, rec.id, seg)
+                delete_segment(self.store, job_id, seg)
             except Exception as e:  # noqa: BLE001 (the orphan sweep deletes it later)
-                log.warning("job %s: could not delete unindexed segment %s: %s", rec.id, seg, e)
+                log.warning("job %s: could not delete unindexed segment %s: %s", job_id, seg, e)
             return 0
-        self.m_spilled.labels(rec.id).inc(n)
-        self.m_spilled_bytes.labels(rec.id).inc(info.bytes)
-        log.debug("job %s: spilled %d groups (%d bytes) into %s", rec.id, n, info.bytes, seg)
+        self.m_spilled.labels(job_id).inc(n)
+        self.m_spilled_bytes.labels(job_id).inc(info.bytes)
+        log.debug("job %s: spilled %d groups (%d bytes) into %s", job_id, n, info.bytes, seg)
         return n
 
     def _store_failed(self, e: Exception) -> None:
