@@ -99,14 +99,19 @@ class Drain:
         self.src = Sources(r, store, rec, self.bus, lambda: self.lease.fence, lambda: self.version)
         self.trained: list[str] = []
 
-    def take(self, need: int, *, first: bool = False) -> list[tuple[object, GroupMsg]]:
-        return self.src.decode(self.src.read(need, first))
+    def take(self, need: int, *, first: bool = False, timeout: float = 60) -> list[tuple[object, GroupMsg]]:
+        """Exactly `need` groups (a read returns fewer while a segment is still being fetched)."""
+        out: list[tuple[object, GroupMsg]] = []
+        deadline = time.time() + timeout
+        while len(out) < need and time.time() < deadline:
+            out += self.src.decode(self.src.read(need - len(out), first))
+        return out
 
     def all(self, expect: int, timeout: float = 60) -> list[str]:
         """Take and acknowledge (as trained) until `expect` groups came, in the order they came."""
         deadline = time.time() + timeout
         while len(self.trained) < expect and time.time() < deadline:
-            items = self.take(expect - len(self.trained))
+            items = self.src.decode(self.src.read(expect - len(self.trained), False))
             if items:
                 self.src.ack([ref for ref, _ in items], "trained")
                 self.trained += [g.group_id for _, g in items]
