@@ -14,7 +14,7 @@ with EPERM (clone3 with ENOSYS, so libc falls back to clone, whose flags can be 
 from __future__ import annotations
 
 import errno
-import tempfile
+import os
 import threading
 
 from shared.domain.sandbox.errors import SandboxUnavailable
@@ -64,7 +64,8 @@ def _compile() -> bytes:
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")  # its flags sit behind a pointer: make libc use clone
     for family in DENIED_SOCKET_FAMILIES.values():
         f.add_rule(sc.ERRNO(errno.EPERM), "socket", sc.Arg(0, sc.EQ, family))
-    with tempfile.TemporaryFile() as out:
+    # In memory: a container with a read-only root filesystem has nowhere to put a file.
+    with os.fdopen(os.memfd_create("burstrl-seccomp"), "w+b") as out:
         f.export_bpf(out)
         out.seek(0)
         return out.read()
