@@ -95,7 +95,7 @@ def estimate(case: Case) -> float:
     settings = TrainerSettings(
         dtype=case.dtype,  # type: ignore[arg-type]
         micro_batch=case.micro_batch,
-        grad_checkpointing=case.grad_checkpointing,
+        gradient_checkpointing=case.grad_checkpointing,
         grad_accumulation=case.accum > 1,
         optimizer_impl="fused",
         master_weights=False,  # the model is cast to the dtype: pure 16-bit, AdamW states follow it

@@ -84,7 +84,8 @@ def test_card_specs_and_user_catalog(tmp_path: Path) -> None:
         ("mi50-32", 3),
         ("h100", 2),
     ]
-    assert cat.get("mi50-16").train_dtype == "fp16"  # gfx906 has no bf16
+    # gfx906 has no bf16: it serves in fp16, and trains in fp32 (the trainer has no fp16 mode).
+    assert (cat.get("mi50-16").serve_dtype, cat.get("mi50-16").train_dtype) == ("fp16", "fp32")
     extra = tmp_path / "cards.toml"
     extra.write_text("[cards.rtx3090]\nmemory_gb = 24\nbf16_tflops = 71\nbandwidth_gbs = 936\n")
     cat = cat.extend_from_file(extra)
@@ -117,7 +118,7 @@ def test_every_memory_saver_lowers_the_peak() -> None:
     def peak(method: Method, **update: object) -> float:
         return trainer_memory(shape, method, W, base.model_copy(update=update)).peak_bytes
 
-    assert peak(lora, grad_checkpointing=True) < peak(lora)
+    assert peak(lora, gradient_checkpointing=True) < peak(lora)
     assert peak(lora, logits_chunk=512) < peak(lora)
     assert peak(lora, base_bits=4) < peak(lora)
     assert peak(full, optimizer="adamw8bit") < peak(full)

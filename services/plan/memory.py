@@ -65,7 +65,7 @@ class TrainerSettings(BaseModel):
 
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     micro_batch: int = Field(default=1, gt=0, description="Sequences per forward/backward on one card.")
-    grad_checkpointing: bool = False
+    gradient_checkpointing: bool = False
     logits_chunk: int | None = Field(default=None, description="Tokens per chunked log-prob pass; None = all.")
     optimizer: Literal["adamw", "adamw8bit"] = "adamw"
     optimizer_impl: Literal["fused", "foreach"] = Field(
@@ -191,7 +191,7 @@ def trainer_memory(shape: ModelShape, method: Method, w: Workload, s: TrainerSet
         n_logit = min(n_logit, s.logits_chunk)
     layer = saved_per_token_layer(shape, method, s)
     final_norm = 4 * h + (2 * a * h if full else 0)  # + normed output kept for lm_head's weight grad
-    if s.grad_checkpointing:
+    if s.gradient_checkpointing:
         saved = n * (shape.num_layers * a * h + final_norm)  # only each layer's input
         recompute = n * layer  # one layer re-run during its backward
     else:
@@ -280,13 +280,17 @@ def ref_memory(
     weights: str = "bf16",
     overhead_gb: float = 1.0,
     share_weights: bool = False,
+    logits_chunk: int = 0,
 ) -> RoleMemory:
     """Forward-only log-probs under the frozen reference, `micro_batch` sequences at a time.
 
     `share_weights`: LoRA colocated with the trainer, the ref is the trainer's base with the
-    adapter disabled, so it costs activations only.
+    adapter disabled, so it costs activations only. `logits_chunk` > 0: log-probs computed
+    that many tokens at a time (0: the whole micro-batch at once, the upper bound).
     """
     n, n_logit = micro_batch * w.seq_len, micro_batch * w.completion_len
+    if logits_chunk:
+        n_logit = min(n_logit, logits_chunk)
     weight = 0.0 if share_weights else serve_weight_bytes(shape, weights)
     # No autograd: only one layer's temporaries live, plus 16-bit logits, fp32 copy, log-softmax.
     layer_tmp = n * 2 * (2 * shape.hidden_size + shape.q_dim + 2 * shape.kv_dim + 3 * shape.intermediate_size)
