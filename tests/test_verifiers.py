@@ -166,6 +166,22 @@ def test_unreachable_rm_is_an_error_tag_not_a_crash(monkeypatch: pytest.MonkeyPa
     assert parts == [{"http": 0.0, "http!error:ConnectError": 0.0}] * 2
 
 
+@pytest.mark.skipif(not check_isolation()[0], reason="sandbox unavailable here")
+def test_a_forged_sandbox_report_does_not_zero_honest_siblings() -> None:
+    # One solution writing to the sandbox's old report pipe (fd 4) made run_code raise, and the
+    # whole group scored 0 tagged error:TypeError / error:RecursionError.
+    tests = json.dumps([{"stdin": "1 2", "stdout": "3"}, {"stdin": "5 7", "stdout": "12"}])
+    honest = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+    forged = [
+        '```python\nimport os\nos.write(4, b\'{"i": 0, "ret": 5}\\n\')\n```',
+        "```python\nimport os\nos.write(4, b'[' * 100000)\n```",
+    ]
+    parts = score_components([VerifierRef(name="code")], [honest, *forged, honest], {"tests": tests})
+    assert parts[0] == {"code": 1.0} and parts[3] == {"code": 1.0}, parts
+    for p in parts[1:3]:
+        assert p["code"] == 0.0 and not any(k.startswith("code!error:") for k in p), p
+
+
 # -- combinations, registry, plugins ---------------------------------------------------
 def test_weighted_combination_keeps_every_part() -> None:
     comps = [
