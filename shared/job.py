@@ -158,6 +158,18 @@ class JobSpec(SpecModel):
             raise ValueError("name must match [a-z0-9][a-z0-9-]{0,47} (lowercase, digits, '-')")
         return v
 
+    @field_validator("base_model", "teacher")
+    @classmethod
+    def _model_ref(cls, v: str) -> str:
+        # Stages load these from the Hugging Face cache or a local folder, never over the
+        # network at run time: a URL could never load, and control characters (a newline)
+        # are in no hub id or sane path.
+        if "://" in v:
+            raise ValueError("a hub id (org/name) or a local path, not a URL")
+        if any(ord(c) < 32 or ord(c) == 127 for c in v):
+            raise ValueError("control characters (newlines, tabs, ...) are in no hub id or model path")
+        return v
+
     @model_validator(mode="after")
     def _alpha_sane(self) -> Self:
         if self.lora_alpha > 16 * self.lora_rank:

@@ -251,3 +251,42 @@ def test_follow_returns_when_a_job_without_evaluations_completes(client, r, serv
     set_state(r, job, JobState.completed, only_from={JobState.running})
     status = follow_job(served, job, {"Authorization": f"Bearer {TOKEN}"}, Console(quiet=True), timeout=30)
     assert status["outcome"] == "completed (no evaluation: eval_size = 0)"
+
+
+def test_rollout_advertises_its_context():
+    """In-process: the setting; remote: what the server's /v1/models card says (vLLM lists max_model_len)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from services.rollout.__main__ import engine_context
+    from services.rollout.engine import RemoteEngine
+    from services.rollout.settings import RolloutSettings
+
+    assert engine_context(RolloutSettings(model="m", dev=True, max_model_len=512), None) == 512
+
+    class Models(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            cards = [
+                {"id": "base", "max_model_len": 2048},
+                {"id": "other", "max_model_len": 64},
+                {"id": "lora", "parent": "base", "max_model_len": 2048},
+            ]
+            body = json.dumps({"data": cards}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Models)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        s = RolloutSettings(model="m", dev=True, engine="remote", engine_url=url, engine_served_model="base")
+        engine = RemoteEngine(url=url, served_model="base")
+        assert engine_context(s, engine) == 2048
+        engine.close()
+    finally:
+        srv.shutdown()

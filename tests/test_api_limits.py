@@ -277,3 +277,10 @@ def test_declared_10mb_body_over_real_http_gets_the_413(served):
         resp = c.post("/v1/jobs", content=body)
         assert resp.status_code == 413
         assert c.get("/healthz").status_code == 200  # same keep-alive connection
+
+
+@pytest.mark.parametrize("ref", ["https://example.com/model", "m\nx", "m" * 2000])
+def test_model_refs_no_stage_could_load_are_refused(client, ref):
+    for field in ("base_model", "teacher"):
+        body = {"base_model": "m", field: ref, "kl_coef": 0.1}
+        assert client.post("/v1/jobs", json=body).json()["detail"][0]["loc"] == ["body", field]
