@@ -30,6 +30,11 @@ GROUP_REF = "ref"
 GROUP_TRAINER = "trainer"
 
 
+def dataset() -> str:
+    """String (JSON): the identity of this Redis dataset (shared/dataset.py): {id, created_at, supersedes}."""
+    return f"{PREFIX}:dataset"
+
+
 def jobs_index() -> str:
     """Hash job_id -> JobRecord JSON (the api's durable job table)."""
     return f"{PREFIX}:jobs"

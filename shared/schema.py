@@ -130,6 +130,7 @@ class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
     # rollout its base model and context length (the api refuses a job whose
     # sampling.max_tokens cannot fit it; 0: not advertised).
     policy_versions: dict[str, int] = {}
+    dataset: str = ""  # the Redis dataset id this replica started on (shared/dataset.py)
     sandbox: str = ""
     ref_model: str = ""
     ref_engine: str = ""

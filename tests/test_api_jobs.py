@@ -34,7 +34,7 @@ def store_url(tmp_path) -> str:
 @pytest.fixture
 def client(r, redis_server, store_url):
     rt = ServiceRuntime("api", ApiSettings(redis_url=redis_server.url, token=TOKEN, store_url=store_url))
-    build_routes(rt)
+    build_routes(rt, open_store(store_url))
     with TestClient(rt.app) as c:
         c.headers["Authorization"] = f"Bearer {TOKEN}"
         yield c
@@ -74,7 +74,11 @@ def test_delete_removes_every_key_of_the_job_and_keeps_the_store(client, r, stor
     assert _job_keys(r, job) == []
     assert not r.hexists(keys.jobs_index(), job) and not r.sismember(keys.active_jobs(), job)
     assert _job_keys(r, other) == others_before  # another job's keys are untouched
-    assert store.list(f"jobs/{job}/") == [f"jobs/{job}/policy/v1/manifest.json"]
+    assert store.list(f"jobs/{job}/") == [
+        f"jobs/{job}/{f}" for f in ("deleted.json", "job.json", "policy/v1/manifest.json")
+    ]
+    # Deleted on purpose: its kept artifacts are not taken for a job Redis lost.
+    assert client.get("/v1/orphans").json() == []
     assert client.get(f"/v1/jobs/{job}").status_code == 404
     assert client.delete(f"/v1/jobs/{job}").status_code == 404
 
@@ -91,8 +95,9 @@ def test_delete_purges_the_store_only_when_asked_and_waits_for_the_trainer(clien
     assert held.status_code == 409 and "lease" in held.json()["detail"]
     lease.release()
     resp = client.delete(f"/v1/jobs/{job}", params={"purge_store": True})
-    assert resp.status_code == 200 and resp.json()["purged_objects"] == 1
+    assert resp.status_code == 200 and resp.json()["purged_objects"] == 2  # the checkpoint and the job's copy
     assert store.list(f"jobs/{job}/") == []
+    assert job not in {o["job_id"] for o in client.get("/v1/orphans").json()}
     assert store.list("jobs/someone-else/") == ["jobs/someone-else/policy/v1/manifest.json"]
 
 

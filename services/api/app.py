@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -9,7 +10,7 @@ from fastapi import APIRouter, FastAPI, HTTPException, Query, Response
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
-from services.api import http_limits, jobs, overview
+from services.api import http_limits, jobs, overview, recovery
 from services.api.checks import SpecProblem
 from shared import keys
 from shared.domain.envs import load_env_plugins
@@ -17,7 +18,7 @@ from shared.domain.verifiers import load_plugins
 from shared.job import JobRecord, JobSpec, UnreadableJob
 from shared.metrics import read_points
 from shared.service import ServiceRuntime
-from shared.store import open_store
+from shared.store import ObjectStore
 
 STATIC = Path(__file__).resolve().parent / "static"
 # Paths served without a token: liveness/readiness/Prometheus (scrapers and probes carry
@@ -52,13 +53,25 @@ def _unreadable(job_id: str, e: UnreadableJob) -> HTTPException:
     return HTTPException(409, f"{e}; no stage serves it; DELETE /v1/jobs/{job_id} removes it")
 
 
-def build_routes(rt: ServiceRuntime) -> FastAPI:
+def build_routes(rt: ServiceRuntime, store: ObjectStore | None = None) -> FastAPI:
     r = rt.redis
     settings = rt.settings
     # Jobs may name plugin verifiers, tasks and environments: load what the services load.
     load_plugins(getattr(settings, "reward_plugin_modules", []))
     load_env_plugins(getattr(settings, "env_plugin_modules", []))
     router = APIRouter(prefix="/v1", dependencies=[rt.auth])
+
+    @router.get("/orphans", tags=["jobs"])
+    def orphans() -> list[dict[str, Any]]:
+        """Jobs the object store holds but Redis does not know (Redis lost them): recoverable or not, and why."""
+        return [asdict(o) for o in recovery.orphaned_jobs(r, store)] if store is not None else []
+
+    @router.post("/orphans/recover", tags=["jobs"])
+    def recover(job: Annotated[list[str] | None, Query(max_length=1000)] = None) -> dict[str, list[str]]:
+        """Register orphaned jobs again from the store (all recoverable ones, or those named by `job`)."""
+        if store is None:
+            raise HTTPException(409, "this api has no object store configured (STORE_URL)")
+        return {"recovered": recovery.recover_jobs(r, store, job)}
 
     @router.post(
         "/jobs",
@@ -71,9 +84,12 @@ def build_routes(rt: ServiceRuntime) -> FastAPI:
         (task, verifiers and their args, environment), its prompt source (read here) and the
         context of the rollout replicas serving its base model: a 422 names the field."""
         try:
-            return jobs.create_job(r, spec=spec)
+            rec = jobs.create_job(r, spec=spec)
         except SpecProblem as e:
             raise HTTPException(422, e.detail()) from None
+        if store is not None:  # the copy recovery needs, should Redis ever lose the job
+            recovery.save_job_copy(store, rec)
+        return rec
 
     @router.get(
         "/jobs",
@@ -120,10 +136,13 @@ def build_routes(rt: ServiceRuntime) -> FastAPI:
         ] = False,
     ) -> dict[str, Any]:
         """Delete a job that is not live (cancel it first): every Redis key of it. Its artifacts in
-        the object store (policy versions, checkpoints) are kept unless `purge_store=true`.
-        An unreadable record can always be deleted."""
+        the object store (policy versions, checkpoints) are kept, marked deleted on purpose (so
+        they are not listed as orphans), unless `purge_store=true`. An unreadable record can
+        always be deleted."""
+        if purge_store and store is None:
+            raise HTTPException(409, "this api has no object store configured (STORE_URL): nothing to purge")
         try:
-            return jobs.delete_job(r, job_id=job_id, store=open_store(settings.store_url) if purge_store else None)
+            return jobs.delete_job(r, job_id=job_id, store=store, purge_store=purge_store)
         except jobs.JobNotFound:
             raise _not_found(job_id) from None
         except jobs.BadTransition as e:

@@ -12,6 +12,7 @@ from typing import Any
 
 import redis
 
+from services.api import recovery
 from services.api.checks import check_spec, job_warnings
 from shared import keys
 from shared.bus import Bus
@@ -120,53 +121,72 @@ LIVE_STATES = {JobState.pending, JobState.running, JobState.paused}
 
 
 def store_prefix(job_id: str) -> str:
-    """Where a job's artifacts live in the object store (policy versions, checkpoints, fences)."""
+    """Where a job's artifacts live in the object store (record copy, policy versions, checkpoints, fences)."""
     return f"jobs/{job_id}/"
 
 
-def delete_job(r: redis.Redis, *, job_id: str, store: ObjectStore | None = None) -> dict[str, Any]:
+def delete_job(
+    r: redis.Redis, *, job_id: str, store: ObjectStore | None = None, purge_store: bool = False
+) -> dict[str, Any]:
     """Remove every Redis key of a job that is not live: its record, active-set entry and
     every per-job key (streams, ledger, pointer, evals, metrics, claims, lease, epoch,
     failures: all under keys.job_key_pattern). An unreadable record can always be deleted
-    (that is how it is mended). With `store`, also the job's artifacts in the store.
+    (that is how it is mended).
+
+    The store's artifacts stay, marked deleted on purpose (recovery.mark_deleted) so they
+    are never taken for a job Redis lost; with `purge_store` they go too. The mark is
+    written before the Redis keys go and removed last, so a crash half way never leaves
+    the job looking orphaned (and recoverable).
 
     Raises JobNotFound, or BadTransition for a live job or one a trainer still holds.
     """
     if ":" in job_id:  # no job id has one; the key pattern must never reach another job's keys
         raise JobNotFound(job_id)
     index = keys.jobs_index()
-    for _ in range(50):
-        with r.pipeline(transaction=True) as pipe:
-            try:
-                pipe.watch(index, keys.trainer_lease(job_id))
-                raw = pipe.hget(index, job_id)
-                if raw is None:
-                    raise JobNotFound(job_id)
+    marked = False
+    try:
+        for _ in range(50):
+            with r.pipeline(transaction=True) as pipe:
                 try:
-                    state: JobState | None = parse_job(job_id, raw).state
-                except UnreadableJob:
-                    state = None  # no stage serves an unreadable record
-                if state in LIVE_STATES:
-                    raise BadTransition(f"cannot delete a job that is {state.value}: cancel it first")
-                if pipe.exists(keys.trainer_lease(job_id)):
-                    raise BadTransition(
-                        "a trainer still holds this job's lease (it stops at its next step); try again shortly"
-                    )
-                found = list(pipe.scan_iter(match=keys.job_key_pattern(job_id), count=500))
-                pipe.multi()
-                pipe.hdel(index, job_id)
-                pipe.srem(keys.active_jobs(), job_id)
-                for key in found:
-                    pipe.delete(key)
-                pipe.execute()
-                break
-            except redis.WatchError:
-                continue
-    else:
-        raise RuntimeError(f"job {job_id}: the job table kept changing while deleting it")
+                    pipe.watch(index, keys.trainer_lease(job_id))
+                    raw = pipe.hget(index, job_id)
+                    if raw is None:
+                        raise JobNotFound(job_id)
+                    try:
+                        state: JobState | None = parse_job(job_id, raw).state
+                    except UnreadableJob:
+                        state = None  # no stage serves an unreadable record
+                    if state in LIVE_STATES:
+                        raise BadTransition(f"cannot delete a job that is {state.value}: cancel it first")
+                    if pipe.exists(keys.trainer_lease(job_id)):
+                        raise BadTransition(
+                            "a trainer still holds this job's lease (it stops at its next step); try again shortly"
+                        )
+                    if store is not None and not marked:
+                        recovery.mark_deleted(store, job_id)
+                        marked = True
+                    found = list(pipe.scan_iter(match=keys.job_key_pattern(job_id), count=500))
+                    pipe.multi()
+                    pipe.hdel(index, job_id)
+                    pipe.srem(keys.active_jobs(), job_id)
+                    for key in found:
+                        pipe.delete(key)
+                    pipe.execute()
+                    break
+                except redis.WatchError:
+                    continue
+        else:
+            raise RuntimeError(f"job {job_id}: the job table kept changing while deleting it")
+    except BaseException:
+        if marked and store is not None and r.hexists(index, job_id):  # not deleted after all
+            store.delete(f"{store_prefix(job_id)}{recovery.DELETED_FILE}")
+        raise
     purged = 0
-    if store is not None:
+    if store is not None and purge_store:
+        mark = f"{store_prefix(job_id)}{recovery.DELETED_FILE}"
         for key in store.list(store_prefix(job_id)):
-            store.delete(key)
-            purged += 1
-    return {"id": job_id, "deleted_keys": len(found), "purged_objects": purged, "store_kept": store is None}
+            if key != mark:
+                store.delete(key)
+                purged += 1
+        store.delete(mark)  # last: until here the folder is known to be deleted on purpose
+    return {"id": job_id, "deleted_keys": len(found), "purged_objects": purged, "store_kept": not purge_store}

@@ -97,7 +97,13 @@ class JobBatchStats:
 class RefWorker:
     def __init__(self, rt: ServiceRuntime, settings: RefSettings, scorer: RefScorer) -> None:
         self.rt, self.settings, self.scorer = rt, settings, scorer
-        self.bus = Bus(rt.redis, keys.GROUP_REF, settings.replica, heartbeat_role="ref")
+        self.bus = Bus(
+            rt.redis,
+            keys.GROUP_REF,
+            settings.replica,
+            heartbeat_role="ref",
+            claim_idle_ms=int(settings.claim_idle_s * 1000),
+        )
         self.jobs: dict[str, JobView] = {}
         self._unreadable: set[str] = set()  # jobs whose record could not be read
         self.held: list[Entry] = []  # a batch the engine could not score yet (retried first)

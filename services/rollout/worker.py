@@ -135,7 +135,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 class RolloutWorker:
     def __init__(self, rt: ServiceRuntime, settings: RolloutSettings, engine: Engine, store: ObjectStore) -> None:
         self.rt, self.s, self.engine, self.store = rt, settings, engine, store
-        self.bus = Bus(rt.redis, keys.GROUP_ROLLOUT, settings.replica, heartbeat_role="rollout")
+        self.bus = Bus(
+            rt.redis,
+            keys.GROUP_ROLLOUT,
+            settings.replica,
+            heartbeat_role="rollout",
+            claim_idle_ms=int(settings.claim_idle_s * 1000),
+        )
         self.jobs: dict[str, JobView] = {}
         self.cache = settings.data_dir / "adapters" / f"{settings.replica}-{uuid.uuid4().hex[:6]}"
         self.engine_ok = True

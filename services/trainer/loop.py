@@ -36,10 +36,11 @@ from services.trainer.learner import Aborted, Learner, StepResult
 from services.trainer.policy import load_policy, load_policy_files, policy_files
 from services.trainer.probe import compute_probe
 from services.trainer.progress import JobStuck, StaleStreak, clear_failures
+from services.trainer.retention import Retention, prune_versions
 from services.trainer.settings import TrainerSettings
 from shared import keys
 from shared.bus import Bus, Entry
-from shared.fence import record_takeover, refusal
+from shared.fence import max_epoch, record_takeover, refusal
 from shared.job import JobRecord, JobState, UnreadableJob, load_job, set_state
 from shared.lease import Lease, LeaseKeeper, LeaseLost
 from shared.metrics import read_ledger, record_point
@@ -98,7 +99,13 @@ class JobTrainer:
         self.comm = comm or Comm()
         self.r = rt.redis
         # The trainer keeps entries pending across reads until a checkpoint holds them.
-        self.bus = Bus(self.r, keys.GROUP_TRAINER, CONSUMER, redo_own_pending=False)
+        self.bus = Bus(
+            self.r,
+            keys.GROUP_TRAINER,
+            CONSUMER,
+            redo_own_pending=False,
+            claim_idle_ms=int(settings.claim_idle_s * 1000),
+        )
         spec = rec.spec
         self.device = settings.device if settings.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         self.model, self.tok = load_policy(
@@ -436,9 +443,16 @@ class JobTrainer:
         if ack:
             self._ack_checkpointed()
         try:
-            prune_checkpoints(self.store, self.rec.id, self.s.keep_checkpoints)
-        except Exception as e:  # old checkpoints are clutter, not a correctness problem
-            log.warning("could not prune old checkpoints: %s", e)
+            kept = prune_checkpoints(self.store, self.rec.id, self.s.keep_checkpoints)
+            prune_versions(
+                self.store,
+                self.r,
+                self.rec.id,
+                Retention(self.s.keep_versions, self.s.keep_versions_every),
+                checkpoint_steps=kept,
+            )
+        except Exception as e:  # old checkpoints and versions are clutter, not a correctness problem
+            log.warning("could not prune old checkpoints or versions: %s", e)
         return dt
 
     def _ack_checkpointed(self) -> None:
@@ -539,7 +553,7 @@ def claim_job(rt: ServiceRuntime, settings: TrainerSettings, store: ObjectStore)
         if rec is None or rec.state != JobState.running:
             continue
         lease = Lease(rt.redis, job_id, settings.replica, settings.lease_s)
-        if not lease.acquire():
+        if not lease.acquire(floor=max_epoch(store, job_id)):  # never an epoch the store has seen
             continue
         try:
             version = latest_version(store, job_id)

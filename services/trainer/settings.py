@@ -45,6 +45,14 @@ class TrainerSettings(CommonSettings):
         1, ge=1, description="Checkpoint (and acknowledge) every N steps; also at exit. Versions publish every step."
     )
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept in the store; older ones are deleted.")
+    keep_versions: int = Field(
+        16,
+        ge=0,
+        description="Policy versions kept in the store: the newest N, plus every keep_versions_every-th, the best "
+        "evaluated one, and any a rollout replica serves or a checkpoint's step names (services/trainer/"
+        "retention.py). 0: keep every version.",
+    )
+    keep_versions_every: int = Field(50, ge=0, description="Also keep every Kth policy version (0: none).")
     time_budget_s: float = Field(
         0.0, ge=0.0, description="Session length in seconds from process start; 0: unlimited (--time-budget)."
     )
