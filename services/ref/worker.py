@@ -77,7 +77,7 @@ def vocab_mismatch(base: Vocab, ref: Vocab) -> str:
 
 
 @dataclass
-class JobView:
+class RefJobView:
     spec: JobSpec
     served: bool  # this replica's model is the job's reference
     mismatch: str = ""  # non-empty: why this job's groups cannot be scored here (tokenizer)
@@ -104,7 +104,7 @@ class RefWorker:
             heartbeat_role="ref",
             claim_idle_ms=int(settings.claim_idle_s * 1000),
         )
-        self.jobs: dict[str, JobView] = {}
+        self.jobs: dict[str, RefJobView] = {}
         self._unreadable: set[str] = set()  # jobs whose record could not be read
         self.held: list[Entry] = []  # a batch the engine could not score yet (retried first)
         self._vocab: dict[str, Vocab | str] = {}  # model -> Vocab, or why it could not be loaded
@@ -122,7 +122,7 @@ class RefWorker:
         rt.gauges["ref_engine"] = scorer.mode
 
     # -- which jobs ------------------------------------------------------------------
-    def _view(self, job_id: str) -> JobView | None:
+    def _view(self, job_id: str) -> RefJobView | None:
         view = self.jobs.get(job_id)
         if view is None:
             try:
@@ -136,7 +136,7 @@ class RefWorker:
                 return None
             spec = rec.spec  # immutable once accepted: cached for the job's life
             served = spec.uses_ref and same_model(spec.reference_model, self.settings.model)
-            view = JobView(spec, served, self._tokenizer_check(spec) if served else "")
+            view = RefJobView(spec, served, self._tokenizer_check(spec) if served else "")
             self.jobs[job_id] = view
             if served and view.mismatch:
                 log.error("job %s: %s", job_id, view.mismatch)

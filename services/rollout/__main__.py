@@ -37,6 +37,7 @@ def build_engine(s: RolloutSettings) -> Engine:
         max_loras=s.max_loras,
         dtype=s.dtype,
         seed=s.seed,
+        **s.engine_kwargs(),
     )
 
 
