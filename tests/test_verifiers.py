@@ -80,6 +80,25 @@ def test_regex_and_format() -> None:
         run("regex", ["x"], pattern="(")
 
 
+def test_catastrophic_patterns_match_in_linear_time() -> None:
+    """`(a+)+$` backtracked exponentially under Python's re (24 characters: 1.7 s, doubling per
+    character); under RE2 a 100k-character miss is as quick as any other match."""
+    text = "a" * 100_000 + "b"
+    assert run("regex", [text, "aaaa"], pattern="(a+)+$") == [0.0, 1.0]
+    assert run("regex", [text], pattern="^(a|aa)+$", mode="fullmatch") == [0.0]
+    assert run("format", ["<think>" + "x" * 50_000, "<think>a</think><answer>1</answer>"]) == [0.0, 1.0]
+
+
+def test_regex_flags_under_re2() -> None:
+    assert run("regex", ["x\nANSWER: 7"], pattern="^answer: \\d$", flags="im") == [1.0]
+    assert run("regex", ["a\nb"], pattern="a.b", flags="s") == [1.0]
+    assert run("regex", ["a\nb"], pattern="a.b") == [0.0]
+    with pytest.raises(VerifierError, match="RE2"):
+        run("regex", ["x"], pattern="(?<=a)b")
+    with pytest.raises(VerifierError, match="flags"):
+        run("regex", ["x"], pattern="x", flags="x")
+
+
 def test_overlong_penalty_is_dapos() -> None:
     # L=20, cache 4: 0 up to 16 tokens, linear to -1 at 20, -1 beyond
     got = run("overlong", ["a"] * 5, completion_tokens=[10, 16, 18, 20, 25], max_tokens=20, cache=4)
