@@ -12,14 +12,14 @@ import pytest
 from services.plan import vocabulary
 from services.plan.catalog import Catalog, parse_card_spec
 from services.plan.cli import main
-from services.plan.memory import Method, TrainerSettings, Workload, trainer_memory
+from services.plan.memory import Method, TrainerKnobs, Workload, trainer_memory
 from services.plan.model_shape import resolve_shape
 from services.plan.placement import candidates
 from services.ref.settings import RefSettings
 from services.rollout.settings import RolloutSettings
-from services.trainer.settings import TrainerSettings as TrainerServiceSettings
+from services.trainer.settings import TrainerSettings
 
-SETTINGS = {"trainer": TrainerServiceSettings, "rollout": RolloutSettings, "ref": RefSettings}
+SETTINGS = {"trainer": TrainerSettings, "rollout": RolloutSettings, "ref": RefSettings}
 W = Workload(prompt_len=512, completion_len=1024, group_size=8, batch=32)
 CARD_SETS = [["h200"], ["h100:2"], ["rtx4070", "mi50-32:2"], ["h200", "mi50-32:3"], ["h800:2"]]
 
@@ -96,7 +96,7 @@ def test_multi_card_full_fine_tune_shards_only_when_it_says_so(capsys: pytest.Ca
         t = _trainer(["--model", model, "--cards", cards, *base], capsys)
         assert t["count"] == 2 and t["recommended"]["sharding"] == sharding, (model, t["recommended"])
         rec = t["recommended"]
-        knobs = TrainerSettings(
+        knobs = TrainerKnobs(
             dtype="bf16",
             micro_batch=rec["micro_batch_tokens"] // W.seq_len,
             gradient_checkpointing=rec["gradient_checkpointing"],

@@ -10,6 +10,7 @@ the reference's, the job-level teacher rules, and the distill advantage's reward
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -245,3 +246,15 @@ def test_distill_advantage_mixes_the_verifier_reward() -> None:
     want = pure + 0.5 * group_advantages(rewards).reshape(-1, 1) * mask
     assert torch.allclose(mixed, want)
     assert mixed[1, 1] == 0.0 and mixed[0, 0] > pure[0, 0] and mixed[1, 0] < pure[1, 0]
+
+
+def test_an_unreadable_job_record_does_not_stop_the_others(worker: RefWorker, r, tiny_model: Path) -> None:  # noqa: ANN001
+    """Issue 18, item 12: a record no reader can parse is skipped (not served), every tick."""
+    bad = _job(r, base_model=str(tiny_model), kl_coef=0.01, group_size=2)
+    r.hset(keys.jobs_index(), bad.id, json.dumps({"id": bad.id, "spec": {"tis_cap": None}}))
+    good = _job(r, base_model=str(tiny_model), kl_coef=0.01, group_size=2)
+    _push(r, _group(bad.id, [49, 10], [[51, 0], [52, 0]], "gb"))
+    _push(r, _group(good.id, [49, 10], [[51, 0], [52, 0]], "gg"))
+    assert worker.streams() == [keys.scored(good.id)]
+    assert worker.tick() == 1
+    assert r.xlen(keys.ready(good.id)) == 1 and r.xlen(keys.ready(bad.id)) == 0

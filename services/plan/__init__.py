@@ -10,7 +10,7 @@ Light by design: no torch or vllm imports, so every service and laptop can run i
 
 from services.plan.bursts import BurstCycle, predict_bursts
 from services.plan.catalog import Card, Catalog
-from services.plan.memory import Method, TrainerSettings, Workload, trainer_memory
+from services.plan.memory import Method, TrainerKnobs, Workload, trainer_memory
 from services.plan.model_shape import ModelShape, resolve_shape
 from services.plan.placement import Plan, plan
 from services.plan.pricing import BurstPattern, ModeCost
@@ -24,7 +24,7 @@ __all__ = [
     "ModeCost",
     "ModelShape",
     "Plan",
-    "TrainerSettings",
+    "TrainerKnobs",
     "Workload",
     "plan",
     "predict_bursts",

@@ -60,7 +60,7 @@ class Workload(BaseModel):
         return self.batch * self.group_size
 
 
-class TrainerSettings(BaseModel):
+class TrainerKnobs(BaseModel):
     """Knobs that trade memory for speed in the trainer. Defaults are the fast, memory-hungry end."""
 
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
@@ -105,7 +105,7 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def full_bytes_per_param(s: TrainerSettings) -> tuple[float, float, float]:
+def full_bytes_per_param(s: TrainerKnobs) -> tuple[float, float, float]:
     """Full FT bytes per weight on the card: (params, grads, optimizer states).
 
     Master-weight mixed precision keeps fp32 params and grads (ZeRO's 16 B/param with Adam);
@@ -119,7 +119,7 @@ def full_bytes_per_param(s: TrainerSettings) -> tuple[float, float, float]:
     return p, p, 2.0 if s.optimizer == "adamw8bit" else 2 * p
 
 
-def trainer_components(shape: ModelShape, method: Method, s: TrainerSettings) -> dict[str, float]:
+def trainer_components(shape: ModelShape, method: Method, s: TrainerKnobs) -> dict[str, float]:
     """Persistent bytes per card: weights, optimizer states, and grads when they outlive a micro-batch."""
     a, k = DTYPE_BYTES[s.dtype], s.fsdp_shards
     out: dict[str, float] = {}
@@ -145,7 +145,7 @@ def trainer_components(shape: ModelShape, method: Method, s: TrainerSettings) ->
     return out
 
 
-def saved_per_token_layer(shape: ModelShape, method: Method, s: TrainerSettings) -> float:
+def saved_per_token_layer(shape: ModelShape, method: Method, s: TrainerKnobs) -> float:
     """Bytes autograd keeps per token per decoder layer (no checkpointing)."""
     a = DTYPE_BYTES[s.dtype]
     h, i, q, kv = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
@@ -174,7 +174,7 @@ def saved_per_token_layer(shape: ModelShape, method: Method, s: TrainerSettings)
     return 2 * norm + attn + mlp + lora_mid
 
 
-def trainer_memory(shape: ModelShape, method: Method, w: Workload, s: TrainerSettings) -> RoleMemory:
+def trainer_memory(shape: ModelShape, method: Method, w: Workload, s: TrainerKnobs) -> RoleMemory:
     """Peak bytes on one trainer card for one micro-batch of `s.micro_batch` sequences."""
     a, k, V, h = (
         DTYPE_BYTES[s.dtype],

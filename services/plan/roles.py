@@ -21,7 +21,7 @@ from services.plan.memory import (
     GB,
     Method,
     ServeSettings,
-    TrainerSettings,
+    TrainerKnobs,
     Workload,
     full_bytes_per_param,
     kv_bytes_per_group,
@@ -68,16 +68,16 @@ class RolePlan(BaseModel):
     peak_phase: str = ""
     time_s: float = Field(description="Seconds this role spends per optimizer step.")
     notes: list[str] = Field(default_factory=list)
-    _settings: TrainerSettings | None = PrivateAttr(default=None)  # the planner's own knobs (trainer)
+    _settings: TrainerKnobs | None = PrivateAttr(default=None)  # the planner's own knobs (trainer)
 
 
-def _ladder(method: Method, card: Card, k: int) -> list[TrainerSettings]:
+def _ladder(method: Method, card: Card, k: int) -> list[TrainerKnobs]:
     """Trainer settings from fastest to leanest; each rung adds the next-cheapest memory saver.
 
     On k > 1 cards the first rungs are data-parallel (every card holds the whole model); FSDP
     sharding over the k cards is a rung of its own, so a plan shards only when it says so.
     """
-    base = TrainerSettings(dtype=card.train_dtype)  # type: ignore[arg-type]
+    base = TrainerKnobs(dtype=card.train_dtype)  # type: ignore[arg-type]
     rungs: list[dict[str, object]] = [{}, {"logits_chunk": LOGITS_CHUNK}, {"gradient_checkpointing": True}]
     if k > 1:
         rungs.append({"fsdp_shards": k})
@@ -93,7 +93,7 @@ def trainer_time(
     shape: ModelShape,
     method: Method,
     w: Workload,
-    s: TrainerSettings,
+    s: TrainerKnobs,
     card: Card,
     eff: Efficiency,
     world: int = 1,
@@ -136,14 +136,14 @@ def plan_trainer(
     cap = math.ceil(w.sequences / k)
     want = min(cap, math.ceil(EFFICIENT_TOKENS / w.seq_len))
 
-    def budget(s: TrainerSettings) -> float:
+    def budget(s: TrainerKnobs) -> float:
         return card.memory_bytes - extra_static - shardable_static / s.fsdp_shards
 
-    def peak(s: TrainerSettings, m: int) -> float:
+    def peak(s: TrainerKnobs, m: int) -> float:
         return trainer_memory(shape, method, w, s.model_copy(update={"micro_batch": m})).peak_bytes
 
     ladder = _ladder(method, card, k)
-    best: tuple[TrainerSettings, int] | None = None
+    best: tuple[TrainerKnobs, int] | None = None
     for s in ladder:
         m = largest_micro_batch(lambda m, s=s: peak(s, m) <= budget(s), cap)
         if m >= want:

@@ -2,7 +2,7 @@
 `services/trainer/settings.py`, `services/rollout/settings.py` or `services/ref/settings.py`,
 with the same name and meaning (tests/test_plan.py walks every key against those models).
 
-The planner keeps its own, finer memory knobs (`memory.TrainerSettings`: rows per micro-batch,
+The planner keeps its own, finer memory knobs (`memory.TrainerKnobs`: rows per micro-batch,
 fp32 adapters, allocator slack...); this module is the one place that turns them into service
 settings, and into the environment lines each service reads (`BURSTRL_<ROLE>_<FIELD>`). The
 planner does not import the services (a role never imports another role), so the names are
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.plan.memory import ServeSettings, TrainerSettings, Workload
+from services.plan.memory import ServeSettings, TrainerKnobs, Workload
 
 ENV_PREFIX = {"trainer": "BURSTRL_TRAINER_", "rollout": "BURSTRL_ROLLOUT_", "ref": "BURSTRL_REF_"}
 # torch dtype names, as the services' dtype settings spell them.
@@ -32,7 +32,7 @@ ENGINE_KEYS = (
 )
 
 
-def trainer_settings(s: TrainerSettings, w: Workload) -> dict[str, Any]:
+def trainer_settings(s: TrainerKnobs, w: Workload) -> dict[str, Any]:
     """The trainer service's settings for the planner's trainer knobs `s`.
 
     - micro_batch_tokens: the planner sizes activations for `micro_batch` rows of

@@ -1,4 +1,4 @@
-"""Which groups the trainer may train: shape checks, staleness and age, DAPO's zero variance.
+"""Which groups the trainer may train: shape checks, staleness and age.
 
 Pure functions over a group and the job spec, so the loop (services/trainer/loop.py) only
 routes each group to its fate. Staleness: without a backlog a group may lag max_staleness
@@ -25,11 +25,6 @@ def arrays_consistent(c: Completion) -> bool:
         and len(c.loss_mask) == n
         and (not c.ref_logprobs or len(c.ref_logprobs) == 4 * n)
     )
-
-
-def zero_variance(g: GroupMsg, tol: float = 1e-6) -> bool:
-    rewards = [c.reward for c in g.completions]
-    return max(rewards) - min(rewards) <= tol
 
 
 def not_trainable(g: GroupMsg, spec: JobSpec) -> str:

@@ -24,9 +24,10 @@ import logging
 import time
 from collections import deque
 
+import redis
 import torch
 
-from services.trainer.admit import not_trainable, staleness_limit, too_old, zero_variance
+from services.trainer.admit import not_trainable, staleness_limit, too_old
 from services.trainer.checkpoint import (
     TrainState,
     load_newest_valid,
@@ -40,24 +41,23 @@ from services.trainer.learner import Aborted, Learner, StepResult
 from services.trainer.policy import load_policy, load_policy_files, policy_files
 from services.trainer.probe import compute_probe
 from services.trainer.progress import JobStuck, StaleStreak, clear_failures
-from services.trainer.publish import claim_job, publish_step, published_at
-from services.trainer.report import log_step, step_point
+from services.trainer.publishing import Publisher
 from services.trainer.retention import Retention, prune_versions
 from services.trainer.settings import TrainerSettings
 from services.trainer.sources import Ref, SegmentRef, Sources
+from services.trainer.step_report import Session, StepTimes, step_point, zero_variance
 from shared import keys
 from shared.bus import Bus
 from shared.job import JobRecord, JobState, load_job, set_state
 from shared.lease import Lease, LeaseKeeper, LeaseLost
 from shared.metrics import read_ledger, record_point
-from shared.policy import MANIFEST, advance_pointer, version_prefix
+from shared.policy import read_manifest
 from shared.schema import GroupMsg, decode
 from shared.service import ServiceRuntime
-from shared.store import ObjectStore
+from shared.store import ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
 CONSUMER = "trainer"  # one trainer per job (leased), so a fixed name finds its own pending entries
-__all__ = ["CONSUMER", "JobTrainer", "claim_job"]  # claim_job lives in publish.py (the store-side writes)
 
 
 class JobTrainer:
@@ -112,6 +112,7 @@ class JobTrainer:
         self._bus_seen = 0.0  # bus seconds already reported in a metric point
         self.since_ckpt: list[tuple[Ref, str]] = []  # trained, not yet in a checkpoint (so not acked)
         self.pending: list[tuple[Ref, GroupMsg]] = []
+        # The ready stream and the backlog's segments, in the job's order (sources.py).
         self.src = Sources(self.r, store, rec, self.bus, self._fence, lambda: self.state.step)
         self.dropped_zero_var = 0  # this session, for metrics (the ledger holds the durable count)
         # Budget: measured durations (seconds) of recent steps and checkpoint saves.
@@ -124,11 +125,21 @@ class JobTrainer:
         self.save_times: deque[float] = deque(maxlen=5)
         self.publish_times: deque[float] = deque(maxlen=5)
         self.exit_reason = ""
+        self.publisher = Publisher(
+            store,
+            self.r,
+            rec.id,
+            spec.base_model,
+            lease=lease,
+            assert_lease=self._assert_lease,
+            probe_tolerance=settings.republish_probe_tolerance,
+        )
+        self.session = Session(process_start=start, epoch=lease.epoch if lease else 0, replica=settings.replica, step=0)
         self.progress = StaleStreak(
             max_staleness=staleness_limit(spec),
             limit=settings.stuck_groups,
             grace_s=settings.stuck_grace_s,
-            published_at=lambda v: published_at(self.store, self.rec.id, v),
+            published_at=self._published_at,
         )
         self._restore()
 
@@ -157,6 +168,8 @@ class JobTrainer:
         spec = self.rec.spec
         first = True  # our own pending entries (from before a crash) come first
         t_wait = time.time()
+        self.session.first_step = self.state.step
+        self._session_point("start")
         try:
             while self.state.step < spec.steps:
                 if self.rt.stop.is_set():
@@ -202,6 +215,7 @@ class JobTrainer:
         finally:
             self.src.close()
             self.comm.broadcast_int(CMD_STOP)
+            self._session_point("end")
         if self.exit_reason.startswith("time budget"):
             log.info("job %s: %s; exiting the session", self.rec.id, self.exit_reason)
             self.rt.stop.set()  # a burst session ends here; the next one resumes from the store
@@ -210,6 +224,13 @@ class JobTrainer:
         if self.state.step >= spec.steps:
             if set_state(self.r, self.rec.id, JobState.completed, only_from={JobState.running}):
                 log.info("job %s: completed %d steps", self.rec.id, spec.steps)
+
+    def _session_point(self, event: str) -> None:
+        """The burst timeline: when this trainer held the job, what it cost and what it trained."""
+        try:
+            record_point(self.r, self.rec.id, "trainer_session", self.session.point(event, reason=self.exit_reason))
+        except redis.RedisError as e:  # a report, not a correctness matter: never mask the real exit
+            log.warning("job %s: could not record the session %s: %s", self.rec.id, event, e)
 
     def _follow(self) -> None:
         """Ranks > 0: train each batch rank 0 broadcasts, until it says stop."""
@@ -248,7 +269,7 @@ class JobTrainer:
                 self._ack([e], "trained")
             elif why := not_trainable(g, spec):
                 self.src.dead_letter(e, why)
-            elif old := too_old(g, spec, version, now):
+            elif old := too_old(g, spec, version, now):  # dropped_stale, or dropped_age with a backlog
                 self._ack([e], old)
                 if version - g.policy_version > staleness_limit(spec):
                     self.progress.stale(g, version)
@@ -330,33 +351,44 @@ class JobTrainer:
         t_ckpt: float,
         checkpointed: bool,
     ) -> None:
+        groups = [g for _, g in items]
+        # Time inside the bus (reads that found data, settle scripts) since the last point:
+        # what the Redis transport costs a step, blocking for new data excluded.
         bus_total = self.bus.stats.read_s + self.bus.stats.settle_s
         bus_s, self._bus_seen = bus_total - self._bus_seen, bus_total
-        st = self.src.stats
-        extra = {
-            "dropped_zero_variance": self.dropped_zero_var,
-            # The ledger as a time series (fed, trained, dropped_*, dead, in flight per step).
-            "ledger": read_ledger(self.r, self.rec.id),
-            "backlog_groups": sum(isinstance(e, SegmentRef) for e, _ in items),  # of this batch, from segments
-            "backlog_segments_read": st.segments_read,
-            "backlog_segments_refused": st.segments_refused,
-            "backlog_wait_s": round(st.wait_s, 3),
-        }
-        groups = [g for _, g in items]
+        times = StepTimes(wait_s=wait_s, train_s=t_train, publish_s=t_pub, checkpoint_s=t_ckpt, bus_s=bus_s)
         point = step_point(
             self.state.step,
             groups,
             res,
-            wait_s=wait_s,
-            t_train=t_train,
-            t_pub=t_pub,
-            t_ckpt=t_ckpt,
+            times,
             checkpointed=checkpointed,
-            bus_s=bus_s,
-            extra=extra,
+            dropped_zero_variance=self.dropped_zero_var,
+            ledger=read_ledger(self.r, self.rec.id),
         )
+        st = self.src.stats
+        point["backlog_groups"] = sum(isinstance(e, SegmentRef) for e, _ in items)  # of this batch, from segments
+        point["backlog_segments_read"] = st.segments_read
+        point["backlog_segments_refused"] = st.segments_refused
+        point["backlog_wait_s"] = round(st.wait_s, 3)
+        self.session.trained(point)
         record_point(self.r, self.rec.id, "trainer", point)
-        log_step(self.rec.id, self.rec.spec.steps, point)
+        log.info(
+            "job %s step %d/%d: reward %.3f loss %.4f mismatch_kl %.4f is_frac %.3f stale %s "
+            "(wait %.1fs train %.2fs publish %.2fs ckpt %.2fs)",
+            self.rec.id,
+            self.state.step,
+            self.rec.spec.steps,
+            point["reward_mean"],
+            point["loss"],
+            res.stats.get("mismatch_kl", 0.0),
+            res.stats.get("is_frac", 0.0),
+            point["staleness_hist"],
+            wait_s,
+            t_train,
+            t_pub,
+            t_ckpt,
+        )
 
     # -- checkpoints -------------------------------------------------------------------
     def _checkpoint(self, files: dict[str, bytes] | None = None, *, ack: bool = True) -> float:
@@ -406,27 +438,29 @@ class JobTrainer:
             dt = self._checkpoint()
             log.info("job %s: exit checkpoint at step %d (%.2fs)", self.rec.id, self.state.step, dt)
 
+    def _published_at(self, version: int) -> float | None:
+        """When version's manifest was written (None: not published, or unreadable)."""
+        if version <= 0:
+            return None
+        try:
+            return read_manifest(self.store, self.rec.id, version).created_at
+        except (StoreError, ValueError, TypeError):
+            return None
+
     def _epoch(self) -> int:
         return self.lease.epoch if self.lease is not None else 0
 
     # -- publishing ------------------------------------------------------------------
     def _publish(self, files: dict[str, bytes]) -> None:
-        v = self.state.step
         probe = compute_probe(self.model, self.tok, self.rec.spec.task)
-        tol = self.s.republish_probe_tolerance
-        at = publish_step(
-            self.store, self.rec, v, files, probe, epoch=self._epoch(), tolerance=tol, assert_lease=self._assert_lease
-        )
-        if at is not None:
-            self.progress.published(v, at)
+        if at := self.publisher.publish(self.state.step, files, probe):
+            self.progress.published(self.state.step, at)
 
     def _publish_if_missing(self) -> None:
-        if not self.store.exists(f"{version_prefix(self.rec.id, self.state.step)}/{MANIFEST}"):
+        if not self.publisher.exists(self.state.step):
             self._publish(policy_files(self.model, self.rec.spec.base_model))
         self._advance_pointer()
 
     def _advance_pointer(self) -> None:
-        v = self.state.step
-        if self.lease is not None:
-            advance_pointer(self.r, self.rec.id, v, self.lease.fence)
-        self.rt.gauges["policy_versions"] = {self.rec.id: v}
+        self.publisher.announce(self.state.step)
+        self.rt.gauges["policy_versions"] = {self.rec.id: self.state.step}
