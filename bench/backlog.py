@@ -91,6 +91,8 @@ def idle_run(stack: Stack, mode: str, cycles: int, cycle_s: float, duty: float) 
         stack.launcher.stop("trainer", timeout=60)  # SIGTERM: checkpoints, exits
         trainer_alive += time.time() - ta
     t1 = time.time()
+    sessions = [p for p in read_points(r, job_id, "trainer_session") if p.get("event") == "end"]
+    steps = [p for p in read_points(r, job_id, "trainer") if t0 <= p["at"] <= t1]
     points = [p for p in read_points(r, job_id, "rollout") if t0 <= p["at"] <= t1]
     busy = sum(float(p["seconds"]) for p in points)
     led = read_ledger(r, job_id)
@@ -104,6 +106,8 @@ def idle_run(stack: Stack, mode: str, cycles: int, cycle_s: float, duty: float) 
         "idle_frac": round(1 - busy / wall, 4),
         "groups_made": sum(int(p["groups"]) for p in points),
         "trained": led.get("trained", 0),
+        "steps": len(steps),
+        "bursts": len(sessions),
         "spilled": led.get("spilled", 0),
         "in_flight_at_end": led["in_flight"],
     }
@@ -322,13 +326,13 @@ def report(cmd: str, a: argparse.Namespace, res: dict[str, Any]) -> str:
             f"{IDLE_JOB['batch_size']}, max_staleness {IDLE_JOB['max_staleness']}; evaluation off). Idle = 1 - "
             "seconds generating / wall seconds. Target with a backlog: <= 5%.",
             "",
-            "| round | mode | wall s | trainer alive | generating s | **idle** | groups made | trained | spilled |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| round | mode | wall s | trainer alive | generating s | **idle** | groups made | steps | trained | spilled |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for x in res["idle"]:
             lines.append(
                 f"| {x['round']} | {x['mode']} | {x['wall_s']} | {x['trainer_alive_frac']:.0%} | {x['generating_s']} | "
-                f"**{x['idle_frac']:.1%}** | {x['groups_made']} | {x['trained']} | {x['spilled']} |"
+                f"**{x['idle_frac']:.1%}** | {x['groups_made']} | {x['steps']} | {x['trained']} | {x['spilled']} |"
             )
         lines.append("")
     if "throughput" in res:
