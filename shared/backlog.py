@@ -202,7 +202,8 @@ def done_positions(r: redis.Redis, job_id: str, seg: str, n: int) -> set[int]:
 # while no trainer holds the lease: rollout expiring aged segments), segment, counter ('' for
 # none), field, n, positions..., then n dead-letter payloads when counter is 'dead'. Each
 # position counts once (its bit goes 0 -> 1). Returns {groups marked now, 1 if the segment is
-# finished (index entry removed, or already gone)}; {-1, 0}: lease lost; {-2, 0}: a trainer holds it.
+# finished (index entry removed, its bytes off the ledger's backlog_bytes; or already gone)};
+# {-1, 0}: lease lost; {-2, 0}: a trainer holds it.
 MARK_DONE_LUA = """
 if ARGV[1] == '' then
   if redis.call('EXISTS', KEYS[1]) == 1 then return {-2, 0} end
@@ -227,6 +228,7 @@ seg['remaining'] = seg['remaining'] - newly
 if seg['remaining'] <= 0 then
   redis.call('HDEL', KEYS[2], ARGV[2])
   redis.call('DEL', KEYS[3])
+  redis.call('HINCRBY', KEYS[4], 'backlog_bytes', -seg['bytes'])
   return {newly, 1}
 end
 redis.call('HSET', KEYS[2], ARGV[2], cjson.encode(seg))
@@ -353,26 +355,30 @@ def trainer_held(r: redis.Redis, job_id: str) -> int:
     return sum(int(c["pending"]) for c in summary.get("consumers") or [] if _s(c["name"]) == "trainer")
 
 
-def feed_room(r: redis.Redis, rec: JobRecord, in_flight: int) -> tuple[int, str]:
+def feed_room(r: redis.Redis, rec: JobRecord, led: dict[str, int]) -> tuple[int, str]:
     """How many prompts the feeder may add now, and why none when 0 (the backlog's budget).
 
-    One rule for the feeder and for rollout's /readyz (which says why rollout idles).
-    Without a backlog: the in-flight window, as always (docs/architecture.md, invariant 4)."""
+    `led`: the job's ledger as read_ledger gives it (counters and in_flight). One rule for the
+    feeder and for rollout's /readyz (which says why rollout idles). Without a backlog: the
+    in-flight window, as always (docs/architecture.md, invariant 4). O(1) in the backlog's
+    size: its groups and bytes are the ledger's running totals."""
     spec = rec.spec
     b = spec.backlog
+    in_flight = led["in_flight"]
     window_room = spec.inflight_window - in_flight
     if not b.enabled:
         return max(0, window_room), "" if window_room > 0 else "in-flight window full (no backlog)"
-    t = totals(r, rec.id)
-    if t.bytes >= b.max_bytes:
-        return 0, f"backlog at its byte budget: {t.bytes} of backlog.max_bytes {b.max_bytes} bytes stored"
+    stored = led.get("backlog_bytes", 0)
+    if stored >= b.max_bytes:
+        return 0, f"backlog at its byte budget: {stored} of backlog.max_bytes {b.max_bytes} bytes stored"
     room = spec.inflight_window + b.max_groups - in_flight
     if room <= 0:
         return 0, (
             f"backlog at its group budget: {in_flight} groups in flight, in-flight window {spec.inflight_window} "
             f"+ backlog.max_groups {b.max_groups}"
         )
-    in_redis = in_flight - t.groups - trainer_held(r, rec.id)
+    on_disk = led.get("spilled", 0) - led.get("backlog_done", 0)
+    in_redis = in_flight - on_disk - trainer_held(r, rec.id)
     hot_room = hot_limit(spec) - in_redis
     if hot_room <= 0:
         return 0, (
@@ -382,13 +388,13 @@ def feed_room(r: redis.Redis, rec: JobRecord, in_flight: int) -> tuple[int, str]
     return min(room, hot_room), ""
 
 
-def summary(r: redis.Redis, rec: JobRecord, pointer: int, in_flight: int) -> dict[str, Any] | None:
+def summary(r: redis.Redis, rec: JobRecord, pointer: int, led: dict[str, int]) -> dict[str, Any] | None:
     """The backlog as the dashboard, /metrics and `burstrl status` show it (None: no backlog)."""
     b = rec.spec.backlog
     if not b.enabled:
         return None
     t = totals(r, rec.id)
-    _, full = feed_room(r, rec, in_flight)
+    _, full = feed_room(r, rec, led)
     return {
         "groups": t.groups,
         "bytes": t.bytes,

@@ -108,7 +108,8 @@ return acked
 # KEYS: ready stream, ledger, backlog index. ARGV: group, consumer, segment id, index entry JSON,
 # entry ids in stream order... All or nothing: -1 (nothing done) unless every entry is still pending to this
 # consumer (the trainer may have taken some over: they must not be trained and spilled both),
-# -2 if the segment is indexed already; else XACK them all, count them spilled, index the segment.
+# -2 if the segment is indexed already; else XACK them all, count them spilled (and the ledger's
+# running backlog_bytes), index the segment.
 SPILL_LUA = """
 local lo, hi = ARGV[5], ARGV[#ARGV]  -- the ids come in stream order
 local mine = {}
@@ -119,6 +120,7 @@ end
 if redis.call('HEXISTS', KEYS[3], ARGV[3]) == 1 then return -2 end
 local n = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 5))
 redis.call('HINCRBY', KEYS[2], 'spilled', n)
+redis.call('HINCRBY', KEYS[2], 'backlog_bytes', cjson.decode(ARGV[4])['bytes'])
 redis.call('HSET', KEYS[3], ARGV[3], ARGV[4])
 return n
 """

@@ -7,7 +7,8 @@ Counters (a Redis hash per job, bumped in the same atomic step that moves an ent
 - `dropped_<reason>`: groups the trainer discarded (stale, zero_variance, too_long, ...);
 - `dead`: entries moved to the dead-letter stream;
 - `spilled`: ready groups moved into the backlog's disk segments (shared/backlog.py), still in
-  flight; `backlog_done`: groups that left a segment (trained, dropped or dead-lettered).
+  flight; `backlog_done`: groups that left a segment (trained, dropped or dead-lettered);
+  `backlog_bytes`: the bytes of the indexed segments (a running total, not a counter).
 
 Invariant (docs/architecture.md, invariant 3): fed = trained + dropped + dead + in flight. Because every
 move is one server-side step (XADD downstream + XACK upstream + counter), a group is
@@ -28,11 +29,14 @@ from shared import keys
 
 # KEYS: ledger, dead stream, backlog index, then (stream) per stage; ARGV: the group reading each
 # stage. Returns {ledger hash as a flat list, dead stream length, groups remaining in indexed
-# segments, then (pending, undelivered) per stage}.
+# segments, their bytes, then (pending, undelivered) per stage}.
 AUDIT_LUA = """
-local backlog = 0
-for _, raw in ipairs(redis.call('HVALS', KEYS[3])) do backlog = backlog + cjson.decode(raw)['remaining'] end
-local out = {redis.call('HGETALL', KEYS[1]), redis.call('XLEN', KEYS[2]), backlog}
+local backlog, bytes = 0, 0
+for _, raw in ipairs(redis.call('HVALS', KEYS[3])) do
+  local seg = cjson.decode(raw)
+  backlog, bytes = backlog + seg['remaining'], bytes + seg['bytes']
+end
+local out = {redis.call('HGETALL', KEYS[1]), redis.call('XLEN', KEYS[2]), backlog, bytes}
 for i = 4, #KEYS do
   local pending, undelivered = 0, 0
   local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[i])
@@ -100,7 +104,7 @@ def audit(r: redis.Redis, job_id: str) -> LedgerAudit:
         raise UnknownJob(f"no ledger for job {job_id!r} in this Redis (unknown job, or Redis lost its data)")
     counters = {_s(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
     names = [keys.stage_of_stream(s) for s in stages]
-    in_streams = {name: int(raw[3 + 2 * i]) + int(raw[4 + 2 * i]) for i, name in enumerate(names)}
+    in_streams = {name: int(raw[4 + 2 * i]) + int(raw[5 + 2 * i]) for i, name in enumerate(names)}
     a = LedgerAudit(job_id, counters, in_streams, int(raw[1]), int(raw[2]))
     physical = sum(in_streams.values()) + a.in_backlog
     if a.in_flight != physical:
@@ -114,6 +118,10 @@ def audit(r: redis.Redis, job_id: str) -> LedgerAudit:
         a.problems.append(
             f"spilled {counters.get('spilled', 0)} - backlog_done {counters.get('backlog_done', 0)} = {spilled_left} "
             f"but the backlog's indexed segments hold {a.in_backlog} groups"
+        )
+    if counters.get("backlog_bytes", 0) != int(raw[3]):
+        a.problems.append(
+            f"backlog_bytes {counters.get('backlog_bytes', 0)} != the indexed segments' {int(raw[3])} bytes"
         )
     if counters.get("dead", 0) != a.dead_stream_len:
         a.problems.append(f"dead counter {counters.get('dead', 0)} != dead-letter stream length {a.dead_stream_len}")

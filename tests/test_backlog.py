@@ -249,8 +249,8 @@ def test_groups_past_the_age_limit_are_dropped_with_their_reason(r, redis_server
 # -- the budget ---------------------------------------------------------------------
 def test_windowed_jobs_keep_todays_window(r):
     rec = new_job(r, JobSpec(base_model="m", batch_size=4, max_staleness=1))
-    assert feed_room(r, rec, 0) == (8, "")
-    assert feed_room(r, rec, 8)[0] == 0
+    assert feed_room(r, rec, {"in_flight": 0}) == (8, "")
+    assert feed_room(r, rec, {"in_flight": 8})[0] == 0
 
 
 def test_a_full_backlog_stops_the_feeder_and_rollout_says_why_dropping_nothing(r, redis_server, store):
@@ -276,7 +276,7 @@ def test_the_byte_budget_stops_the_feeder(r, redis_server, store):
     rec = new_job(r, spec(max_groups=1000, max_bytes=1 << 20, segment_groups=8))
     push_ready(r, rec.id, [group(rec.id, i, tokens=2000) for i in range(120)])  # ~50 KB a group
     spiller(runtime(redis_server.url), store).tick()
-    room, why = feed_room(r, rec, read_ledger(r, rec.id)["in_flight"])
+    room, why = feed_room(r, rec, read_ledger(r, rec.id))
     assert room == 0 and "byte budget" in why and "max_bytes" in why
 
 
@@ -293,7 +293,7 @@ def test_the_hot_limit_keeps_the_backlog_out_of_redis_while_spilling_stalls(r, s
     feeder = Feeder(r, store)
     assert feeder.tick() == 8 + 3 * 8
     assert feeder.tick() == 0
-    _, why = feed_room(r, rec, read_ledger(r, rec.id)["in_flight"])
+    _, why = feed_room(r, rec, read_ledger(r, rec.id))
     assert "spilling is behind or paused" in why
 
 

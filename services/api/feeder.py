@@ -106,7 +106,7 @@ class Feeder:
         if not self._budget_holds(rec):
             return 0
         led = read_ledger(self.r, rec.id)
-        room, _ = feed_room(self.r, rec, led["in_flight"])
+        room, _ = feed_room(self.r, rec, led)
         if room <= 0:
             return 0
         fed = led.get("fed", 0)

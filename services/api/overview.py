@@ -87,7 +87,7 @@ def job_overview(r: redis.Redis, rec: JobRecord, services: list[dict[str, Any]])
         "adoption": adoption,
         "last_eval": evals[-1] if evals else None,
         # The disk tier: groups, bytes, the age of the oldest, and the budget that is full (None: windowed job).
-        "backlog": backlog_summary(r, rec, pointer, ledger["in_flight"]),
+        "backlog": backlog_summary(r, rec, pointer, ledger),
     }
 
 

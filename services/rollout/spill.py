@@ -267,7 +267,7 @@ class Spiller:
     # -- what the backlog looks like -------------------------------------------------
     def _report(self, rec: JobRecord, clock: _JobClock, now: float) -> None:
         led = read_ledger(self.r, rec.id)
-        room, full = feed_room(self.r, rec, led["in_flight"])
+        room, full = feed_room(self.r, rec, led)
         name = f"backlog:{rec.id}"
         if room <= 0 and rec.state == JobState.running:
             self.rt.health.set(
@@ -278,7 +278,7 @@ class Spiller:
         if now - clock.point < POINT_EVERY_S:
             return
         clock.point = now
-        s = summary(self.r, rec, read_pointer(self.r, rec.id), led["in_flight"])
+        s = summary(self.r, rec, read_pointer(self.r, rec.id), led)
         if s is None:
             return
         self.m_groups.labels(rec.id).set(s["groups"])
