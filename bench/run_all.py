@@ -69,6 +69,8 @@ def items(full: bool, out: Path) -> list[tuple[str, list[str], Path | None]]:
         "scaling": ["--steps", "12" if full else "8", "--rounds", "2" if full else "1"],
         "sync": ["--modes", "inprocess,remote", "--versions", "12" if full else "6"],
         "tput": ["--modes", "inprocess,remote" if full else "inprocess", "--prompts", "64", "--rounds", "3"],
+        # The trainer needs ~15-40 s to start on a shared 2-core box: on-periods of 50 s (100 s full).
+        "backlog": ["--cycles", "2", "--cycle-s", "400" if full else "200", "--rounds", "5" if full else "3"],
     }
     steps = s["staleness"][1]
     return [
@@ -105,6 +107,7 @@ def items(full: bool, out: Path) -> list[tuple[str, list[str], Path | None]]:
         ("tput", [PY, "bench/rollout_throughput.py", *s["tput"], "--json", str(b / "tput.json")], None),
         ("scaling", [PY, "bench/scaling.py", *s["scaling"], "--out", str(b / "scaling.md")], b / "scaling.md"),
         ("verifiers", [PY, "bench/verifiers.py", "--n-math", "200", "--n-code", "32"], None),
+        ("backlog", [PY, "bench/backlog.py", *s["backlog"], "--out", str(b / "backlog.md")], b / "backlog.md"),
     ]
 
 
@@ -240,6 +243,31 @@ def summary(b: Path, cmds: dict[str, str]) -> list[str]:
             ("2 / 1 rollout replicas, rollout alone", f"{med['2']['alone'] / med['1']['alone']:.2f}x", "", "scaling")
         )
         rows.append(("2 / 1 rollout replicas, end-to-end", f"{med['2']['e2e'] / med['1']['e2e']:.2f}x", "", "scaling"))
+    if "backlog" in cmds and (d := load("backlog.json")):
+        for mode in ("windowed", "backlog"):
+            idle = [x["idle_frac"] for x in d.get("idle", []) if x["mode"] == mode]
+            if idle:
+                target = "<= 5%" if mode == "backlog" else ""
+                rows.append(
+                    (
+                        f"rollout idle, trainer absent 75% of the time, {mode}",
+                        f"{statistics.median(idle):.1%}",
+                        target,
+                        "backlog",
+                    )
+                )
+        for store, x in d.get("throughput", {}).items():
+            rows.append((f"backlog spill / raw put, {store}", f"{x['spill_ratio']:.2f}", ">= 0.8", "backlog"))
+            rows.append((f"backlog restore / raw get, {store}", f"{x['restore_ratio']:.2f}", ">= 0.8", "backlog"))
+        for store, x in d.get("first", {}).items():
+            rows.append(
+                (
+                    f"first batch from a {x['backlog_groups']}-group backlog, {store}",
+                    f"{x['first_batch_s']} s",
+                    "",
+                    "backlog",
+                )
+            )
     if not rows:
         return []
     out = ["## Summary", "", "| measure | result | target | command |", "|---|---|---|---|"]
