@@ -48,12 +48,13 @@ from services.cli.launch import free_port, port_open, terminate  # noqa: E402
 from services.rollout.spill import SPILL_WRITERS  # noqa: E402
 from services.trainer.sources import PREFETCH  # noqa: E402
 from shared import keys  # noqa: E402
-from shared.backlog import DATA, pack, read_index  # noqa: E402
+from shared.backlog import read_index  # noqa: E402
 from shared.bus import Bus  # noqa: E402
 from shared.job import load_job  # noqa: E402
 from shared.metrics import read_ledger, read_points  # noqa: E402
 from shared.redis_conn import connect  # noqa: E402
 from shared.schema import GroupMsg, encode  # noqa: E402
+from shared.segments import DATA, pack  # noqa: E402
 from shared.store import MANIFEST, ObjectStore, open_store  # noqa: E402
 from tests.backlog_helpers import Drain, group, new_job, push_ready, runtime, spec, spiller  # noqa: E402
 

@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import services.rollout.spill as spill  # noqa: E402
-from shared.backlog import DATA, segment_prefix  # noqa: E402
+from shared.segments import DATA, segment_prefix  # noqa: E402
 
 PAUSE = os.environ.get("BURSTRL_TEST_SPILL_PAUSE", "")
 MARKER = Path(os.environ.get("BURSTRL_TEST_SPILL_MARKER", "/nonexistent/marker"))

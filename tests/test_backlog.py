@@ -13,13 +13,14 @@ from services.api.feeder import Feeder
 from services.trainer.admit import too_old
 from services.trainer.sources import SegmentRef
 from shared import keys
-from shared.backlog import DATA, feed_room, mark_done, read_index, read_segment, segment_prefix, stored_segments
+from shared.backlog import feed_room, mark_done, read_index
 from shared.bus import Bus
 from shared.job import JobSpec, JobState, load_job
 from shared.lease import Lease, LeaseLost
 from shared.ledger import audit
 from shared.metrics import read_ledger, read_points
 from shared.schema import decode_dead
+from shared.segments import DATA, read_segment, segment_prefix, stored_segments
 from shared.store import FileStore
 from tests.backlog_helpers import Drain, group, group_ids_of, new_job, push_ready, runtime, spec, spiller
 

@@ -43,23 +43,12 @@ import redis
 from prometheus_client import Counter, Gauge
 
 from shared import keys
-from shared.backlog import (
-    GroupHead,
-    delete_segment,
-    expire_segments,
-    feed_room,
-    group_head,
-    new_segment_id,
-    pack,
-    read_index,
-    stored_segments,
-    summary,
-    write_segment,
-)
+from shared.backlog import expire_segments, feed_room, read_index, summary
 from shared.bus import Bus, Entry, undelivered
 from shared.job import JobRecord, JobState, UnreadableJob, load_job, same_model
 from shared.metrics import read_ledger, record_point
 from shared.policy import read_pointer
+from shared.segments import GroupHead, delete_segment, group_head, new_segment_id, pack, stored_segments, write_segment
 from shared.service import ServiceRuntime, active_job_ids
 from shared.store import ObjectStore
 

@@ -32,20 +32,12 @@ import msgspec
 import redis
 
 from shared import keys
-from shared.backlog import (
-    SegmentRefused,
-    delete_segment,
-    done_positions,
-    expire_segments,
-    mark_done,
-    read_index,
-    read_segment,
-    segment_prefix,
-)
+from shared.backlog import done_positions, expire_segments, mark_done, read_index
 from shared.bus import Bus, Entry
 from shared.job import JobRecord
 from shared.lease import Fence
 from shared.schema import DeadLetter, GroupMsg, decode, encode_dead
+from shared.segments import SegmentRefused, delete_segment, read_segment, segment_prefix
 from shared.store import ObjectStore
 
 log = logging.getLogger(__name__)
