@@ -540,6 +540,26 @@ def test_k8s_overlay_renders_and_validates(overlay: str) -> None:
         assert "vllm-gfx906" in engine["image"] and engine["resources"]["limits"]["amd.com/gpu"] == 1
 
 
+@pytest.mark.parametrize("overlay", ["nvidia", "mi50"])
+def test_k8s_services_called_by_name_have_a_service(overlay: str) -> None:
+    """What other pods call by name has a Service: the api (clients), reward (rollout's tool calls
+    run in its sandbox). rollout and ref are only scraped per pod; they pull their work from Redis."""
+    docs = render(overlay)
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    config = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "burstrl-config")
+    for d in docs:
+        if d["kind"] != "Deployment" or d["metadata"]["name"] not in ("api", "reward"):
+            continue
+        name = d["metadata"]["name"]
+        assert name in services, f"Deployment {name} has no Service"
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        assert services[name]["spec"]["selector"].items() <= labels.items(), f"Service {name} selects no pod"
+        ports = {p["containerPort"] for c in containers(d) for p in c.get("ports", [])}
+        assert {p["port"] for p in services[name]["spec"]["ports"]} & ports, f"Service {name}: wrong port"
+    url = config["data"]["BURSTRL_TOOLS_SANDBOX_URL"]
+    assert url == f"http://reward:{DEFAULT_PORTS['reward']}" and "reward" in services
+
+
 def test_k8s_validation_catches_a_bad_manifest() -> None:
     bad = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "x"}, "spec": {"replicas": "two"}}
     with pytest.raises(kubernetes_validate.ValidationError):
