@@ -65,12 +65,16 @@ print(json.dumps({"ok": ok, "why": why, "passed": solved.passed, "seen": seen.st
 """
 
 
-@pytest.fixture(scope="module")
-def stack(request, tmp_path_factory):
+def _selected(request) -> None:
     if "containers" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("container tests run only when selected: -m containers (make test-containers)")
     if why := missing_tools():
         pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def stack(request, tmp_path_factory):
+    _selected(request)
     if not (MODEL / "model.safetensors").exists():
         pytest.skip(f"no tiny model at {MODEL} (burstrl init-model)")
     tmp = tmp_path_factory.mktemp("containers")
@@ -80,8 +84,9 @@ def stack(request, tmp_path_factory):
         f.chmod(0o755 if f.is_dir() else 0o644)
     certs = ROOT / "deploy" / "burst" / "make-certs.sh"
     # The name the burst container dials (podman's name for the host), and the test's own client's.
-    subprocess.run(["bash", str(certs), "host.containers.internal", str(tmp / "tls"), "localhost"], check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["bash", str(certs), "host.containers.internal", str(tmp / "tls"), "localhost"], check=True, capture_output=True
+    )
     subprocess.run(["bash", str(certs), "elsewhere.example", str(tmp / "other-ca")], check=True, capture_output=True)
     s = {
         "BURSTRL_TOKEN": secrets.token_hex(32),
@@ -154,8 +159,8 @@ def test_cpu_profile_every_healthcheck_healthy(stack):
     cpu: Project = stack["cpu"]
     cpu.foreground("--profile", "cpu", "up")
     services = ["redis", "minio", "api", "reward", "rollout-cpu", "ref-cpu", "trainer-cpu"]
-    health = cpu.wait_healthy(services, timeout=1200)
-    assert health["init-model"] == "exited(0)" and health["minio-init"] == "exited(0)", health
+    cpu.wait_healthy(services, timeout=1200)
+    assert cpu.completed("init-model") and cpu.completed("minio-init")
     aof = cpu.run("exec", "-T", "redis", "redis-cli", "config", "get", "appendonly").stdout.split()
     assert aof == ["appendonly", "yes"]
     cpu.down("-v")
@@ -203,8 +208,9 @@ def test_burst_trainer_joins_over_tls_from_its_own_network(stack):
     logs = burst.logs("trainer", tail=200)
     assert "burst: Redis and the store are reachable" in logs, logs
     # Its own network: the home box's services are not even names there.
-    out = burst.run("exec", "-T", "trainer", "python", "-c", "import socket; socket.getaddrinfo('redis', 6379)",
-                    check=False)
+    out = burst.run(
+        "exec", "-T", "trainer", "python", "-c", "import socket; socket.getaddrinfo('redis', 6379)", check=False
+    )
     assert out.returncode != 0 and "gaierror" in out.stderr, out.stderr
 
 
@@ -264,8 +270,64 @@ def test_down_then_up_keeps_jobs_and_policy_versions(stack):
     got = _job(stack, job_id)
     assert got["job"]["state"] == "completed" and got["policy_version"] == JOB["steps"], got
     listing = home.run(
-        "exec", "-T", "api", "python", "-c",
+        "exec",
+        "-T",
+        "api",
+        "python",
+        "-c",
         f"import os; from shared.store import open_store; print('\\n'.join(open_store(os.environ['STORE_URL']).list('jobs/{job_id}/policy')))",
     ).stdout.split()
     versions = {k.split("/")[3] for k in listing if k.endswith("/manifest.json")}
     assert {f"v{v}" for v in range(1, JOB["steps"] + 1)} <= versions, sorted(versions)
+
+
+# Docker's default seccomp profile, as far as namespaces go: unshare, and clone with CLONE_NEWUSER, are
+# refused to a process without CAP_SYS_ADMIN (clone3 answers ENOSYS, so glibc falls back to clone).
+NO_USERNS_SECCOMP = {
+    "defaultAction": "SCMP_ACT_ALLOW",
+    "syscalls": [
+        {"names": ["unshare"], "action": "SCMP_ACT_ERRNO"},
+        {
+            "names": ["clone"],
+            "action": "SCMP_ACT_ERRNO",
+            "args": [{"index": 0, "value": 0x10000000, "valueTwo": 0x10000000, "op": "SCMP_CMP_MASKED_EQ"}],
+        },
+        {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38},
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    ("opts", "isolated"),
+    [
+        ([], True),  # podman's default seccomp profile allows unprivileged user namespaces
+        (["--security-opt", "seccomp={profile}"], False),  # Docker's default does not: refused, never unsandboxed
+        (["--security-opt", "unmask=/proc/*"], True),  # Docker: systempaths=unconfined
+    ],
+    ids=["engine-default", "no-userns-seccomp", "unmasked-proc"],
+)
+def test_what_the_reward_container_needs_for_code_rewards(request, tmp_path, opts, isolated):
+    """As the image's non-root uid, no capabilities, never --privileged: the sandbox needs the
+    namespace syscalls from seccomp, and a /proc without masked paths to mount a /proc of its own."""
+    _selected(request)
+    profile = tmp_path / "no-userns.json"
+    profile.write_text(json.dumps(NO_USERNS_SECCOMP))
+    name = f"brc{secrets.token_hex(3)}-sandbox"
+    out = subprocess.run(
+        ["podman", "run", "--rm", "--name", name, "--cap-drop", "ALL", "--security-opt", "no-new-privileges"]
+        + [o.format(profile=profile) for o in opts]
+        + ["-e", "BURSTRL_SANDBOX_PYTHON=/usr/local/bin/python3", "localhost/burstrl/reward:0.1.0"]
+        + ["python", "-c", SANDBOX_PROBE.replace("'redis'", "'10.0.0.1'")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    if not isolated:
+        assert out.returncode != 0 or '"ok": false' in out.stdout, out.stdout
+        assert "unshare failed: Operation not permitted" in out.stdout + out.stderr, out.stdout + out.stderr[-2000:]
+        return
+    assert out.returncode == 0, out.stderr[-3000:]
+    probe = json.loads(out.stdout.splitlines()[-1])
+    assert probe["ok"] and probe["passed"] == 2 and probe["seen"][-1] == "nonet", probe
+    if "unmask=/proc/*" in opts:
+        assert int(probe["seen"][0]) <= 2, f"the solution sees other processes: {probe}"  # its pid 1 and itself

@@ -231,6 +231,67 @@ def test_compose_overrides_merge_into_a_valid_model(name: str, compose_schema: d
     jsonschema.Draft202012Validator(compose_schema).validate(merge(base, over))
 
 
+class _TaggedLoader(yaml.SafeLoader):
+    """Compose's merge tags: `!reset` drops a value from the files before, `!override` replaces it."""
+
+
+for _tag in ("!reset", "!override"):
+    _TaggedLoader.add_constructor(
+        _tag,
+        lambda loader, node: (
+            loader.construct_mapping(node, deep=True)
+            if isinstance(node, yaml.MappingNode)
+            else loader.construct_sequence(node, deep=True)
+            if isinstance(node, yaml.SequenceNode)
+            else loader.construct_scalar(node) or None
+        ),
+    )
+
+TEST_OVERRIDES = {
+    "compose.test.yaml": ["compose.yaml"],
+    "compose.test-tls.yaml": ["compose.yaml", "compose.tls.yaml"],
+    "compose.test-burst.yaml": ["../deploy/burst/compose.burst.yaml"],
+}
+TEST_ENV = {"TEST_MODEL_DIR": "/tmp/model", "TEST_API_PORT": "18700", "TEST_REDIS_TLS_PORT": "16380"}
+TEST_ENV |= {"TEST_STORE_TLS_PORT": "19443"}
+
+
+def burst_compose_env() -> dict[str, str]:
+    """deploy/burst/trainer.env.example, filled in as a user's trainer.env would be."""
+    env = dotenv(ROOT / "deploy" / "burst" / "trainer.env.example") | {"BURSTRL_TOKEN": "0123456789abcdef0123456789"}
+    return env | {"AWS_ACCESS_KEY_ID": "burstrl", "AWS_SECRET_ACCESS_KEY": "0123456789abcdef"}
+
+
+@pytest.mark.parametrize("name", sorted(TEST_OVERRIDES))
+def test_container_test_overrides_are_valid_and_name_known_services(name: str, compose_schema: dict[str, Any]) -> None:
+    """The container tests' stand-ins (tests/test_containers.py) validate, and override only what exists."""
+    raw = yaml.load((COMPOSE / name).read_text(), Loader=_TaggedLoader)  # noqa: S506 (SafeLoader subclass)
+    doc = interpolate(raw, filled_env() | TEST_ENV)
+    jsonschema.Draft202012Validator(compose_schema).validate(doc)
+    known: set[str] = set()
+    for base in TEST_OVERRIDES[name]:
+        known |= set(load_compose(base, burst_compose_env() if "burst" in base else None)["services"])
+    assert set(doc["services"]) <= known, f"{name} names unknown services: {set(doc['services']) - known}"
+    for svc_name, svc in doc["services"].items():
+        check_env_names(env_keys(svc), f"{name}:{svc_name}")
+        image = svc.get("image", "")
+        assert not image or image.startswith(("localhost/burstrl-local/", "burstrl/")), f"{svc_name}: {image}"
+
+
+def test_burst_compose_runs_the_recipe_and_requires_its_secrets(compose_schema: dict[str, Any]) -> None:
+    path = "../deploy/burst/compose.burst.yaml"
+    env = burst_compose_env()
+    doc = load_compose(path, env)
+    jsonschema.Draft202012Validator(compose_schema).validate(doc)
+    trainer = doc["services"]["trainer"]
+    assert trainer["command"] == ["burstrl-burst"] and trainer["restart"] == "on-failure"
+    assert trainer["image"].startswith("burstrl/trainer:")
+    check_env_names(env_keys(trainer), "compose.burst.yaml")
+    for secret in ("REDIS_URL", "STORE_ENDPOINT_URL", "AWS_SECRET_ACCESS_KEY", "BURSTRL_TOKEN"):
+        with pytest.raises(MissingRequired, match=secret):
+            load_compose(path, {k: v for k, v in env.items() if k != secret})
+
+
 def test_schema_check_catches_a_bad_file(compose_schema: dict[str, Any]) -> None:
     """The validation above would notice a broken file (not a schema that accepts anything)."""
     bad = {"services": {"x": {"image": "redis:7", "depends_on": {"y": {"condition": "when_i_feel_like_it"}}}}}
