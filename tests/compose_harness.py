@@ -222,12 +222,19 @@ class Project:
                 p.wait()
         self.attached.clear()
         self.run("down", "--remove-orphans", "--timeout", "30", *extra, check=False, timeout=300)
+        # `down` leaves the containers of services whose profile it was not given (and then their
+        # volumes and network): remove what still carries this project's label, by id.
         label = f"label=com.docker.compose.project={self.name}"
-        left = subprocess.run(["podman", "ps", "-aq", "--filter", label], capture_output=True, text=True).stdout.split()
-        if left:
-            subprocess.run(["podman", "rm", "-f", "-t", "0", *left], capture_output=True)
-            if "-v" in extra:
-                self.run("down", "-v", "--remove-orphans", check=False, timeout=120)
+        kinds = [
+            ("container", ["ps", "-aq"], ["rm", "-f", "-t", "0"]),
+            ("network", ["network", "ls", "-q"], ["network", "rm", "-f"]),
+        ]
+        if "-v" in extra:
+            kinds.insert(1, ("volume", ["volume", "ls", "-q"], ["volume", "rm", "-f"]))
+        for _, ls, rm in kinds:
+            left = subprocess.run(["podman", *ls, "--filter", label], capture_output=True, text=True).stdout.split()
+            if left:
+                subprocess.run(["podman", *rm, *left], capture_output=True)
 
 
 def wait_for(fn: Callable[[], Any], timeout: float, what: str, every: float = 2.0) -> Any:
