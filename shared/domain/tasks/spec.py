@@ -6,12 +6,14 @@ from the registered task named by `JobSpec.task` (e.g. "arith").
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 JsonScalar = str | int | float | bool | None
+MAX_ARGS_CHARS = 16_000
 _PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -66,6 +68,12 @@ class TaskSpec(BaseModel):
         default_factory=list, max_length=16, description="Weighted reward components; empty: the task's own."
     )
     timeout_s: float = Field(60.0, gt=0.0, le=3600.0, description="Deadline to score one group.")
+    args: dict[str, JsonScalar | list[JsonScalar]] = Field(
+        default_factory=dict,
+        max_length=64,
+        description="Options of a task family, e.g. for task 'rg:<dataset>' the reasoning-gym dataset's config "
+        "fields (min_terms, max_digits, ...) plus answer_format ('tag' or 'raw') and heldout_fraction.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -74,6 +82,10 @@ class TaskSpec(BaseModel):
         parts = [v.part or v.name for v in self.verifiers]
         if len(set(parts)) != len(parts):
             raise ValueError(f"task_spec.verifiers parts must be distinct (set `part`), got {parts}")
+        if self.source is not None and self.args:
+            raise ValueError("task_spec.args are a task family's options; a task_spec.source task has none")
+        if len(json.dumps(self.args)) > MAX_ARGS_CHARS:
+            raise ValueError(f"task_spec.args is over {MAX_ARGS_CHARS} characters as JSON")
         if self.template:
             render_template(self.template, {"prompt": ""}, check_only=True)
         return self
