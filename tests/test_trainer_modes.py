@@ -12,7 +12,7 @@ import torch
 from services.trainer.learner import Learner
 from services.trainer.policy import is_lora, load_policy, load_policy_files, policy_files
 from shared.job import JobSpec
-from shared.schema import Completion, GroupMsg, pack_f32, pack_i32, pack_u8
+from shared.schema import Completion, GroupMsg, pack_f32, pack_i32, pack_u8, unpack_f32
 
 
 @pytest.fixture(scope="module")
@@ -241,3 +241,74 @@ def test_micro_batch_passes_cover_each_row_once_within_the_budget(model_dir):
         assert flat == sorted(flat, reverse=True)  # longest first: a pass pads to its first row
     assert Learner(model, spec, pad_id=0, grad_clip=1.0, micro_batch_tokens=0)._chunks(lengths, rows) == [rows]
     assert len(Learner(model, spec, pad_id=0, grad_clip=1.0, micro_batch_tokens=10_000)._chunks(lengths, rows)) == 1
+
+
+def _seq_logp(model: torch.nn.Module, groups: list[GroupMsg], pad_id: int) -> torch.Tensor:
+    """Each completion's summed log-prob under `model` ([N]), trained tokens only."""
+    from services.trainer.batch import collate
+    from shared.ml.logprobs import token_logprobs
+
+    b = collate(groups, pad_id)
+    with torch.no_grad():
+        logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1]
+    return (token_logprobs(logits, b.input_ids[:, 1:]) * b.mask).sum(-1)
+
+
+def test_m2po_learns_from_a_stale_sampler_and_masks_only_its_outliers(model_dir):
+    """A sampler close to the trainer (noise 0.05 nats) except on every 8th token, where it is
+    2 nats off either way (a stale version's outliers). Squared log-ratios: ~0.0025 on most tokens, 4 on the
+    outliers; M2PO (tau 0.04) must mask exactly the outliers, since keeping even one would put
+    the batch's M2 above 0.04 (4 / 60 > 0.04 with ~60 kept tokens), and the rest must still
+    teach: the rewarded completions' log-prob rises against the others'."""
+    gen = torch.Generator().manual_seed(5)
+    groups = [
+        _group(
+            i,
+            [
+                Completion(
+                    token_ids=pack_i32(torch.randint(3, 200, (6,), generator=gen).tolist()),
+                    logprobs=pack_f32([0.0] * 6),
+                    loss_mask=pack_u8([1] * 6),
+                    text="x",
+                    finish_reason="stop",
+                    reward=1.0 if j == 0 else 0.0,
+                )
+                for j in range(4)
+            ],
+            [5, 6, 7],
+        )
+        for i in range(3)
+    ]
+    groups = _near_policy(groups, model_dir, noise=0.05)
+    comps = [c for g in groups for c in g.completions]
+    n_out = 0
+    for i, c in enumerate(comps):
+        lp = torch.tensor(unpack_f32(c.logprobs))
+        for t in range(6):
+            if (i * 6 + t) % 8 == 0:
+                lp[t] += 2.0 if n_out % 2 else -2.0  # ratio trainer/sampler e^2 or e^-2
+                n_out += 1
+        c.logprobs = pack_f32(lp.tolist())
+    spec = JobSpec(base_model=str(model_dir), group_size=4, batch_size=3, steps=5, algorithm={"mismatch": "m2po"})
+    model, tok = load_policy(str(model_dir), rank=4, alpha=8, device="cpu", seed=0)
+    learner = Learner(model, spec, pad_id=tok.pad_token_id, grad_clip=1.0)
+    rewarded = torch.tensor([c.reward for c in comps]) > 0
+
+    def gap() -> float:
+        lp = _seq_logp(model, groups, tok.pad_token_id)
+        return float(lp[rewarded].mean() - lp[~rewarded].mean())
+
+    before = gap()
+    steps = [learner.train_batch(groups).stats for _ in range(5)]
+    after = gap()
+    first = steps[0]
+    assert first["mask_frac"] == pytest.approx(n_out / len(rewarded) / 6)  # the outliers, and only them
+    assert first["m2"] == pytest.approx(
+        (4.0 * n_out + 0.0025 * (6 * len(rewarded) - n_out)) / (6 * len(rewarded)), rel=0.1
+    )
+    # The kept weights are ~1, so the ESS is the kept share; the raw ratios' (e^2 outliers) is lower.
+    assert first["ess"] == pytest.approx(1.0 - first["mask_frac"], abs=0.01) and first["ess_raw"] < first["ess"]
+    for st in steps:
+        assert all(math.isfinite(v) for v in st.values())
+    print(f"gap before {before:.4f} after {after:.4f}; first step {first}")
+    assert after - before > 0.5, (before, after)
