@@ -8,17 +8,17 @@ the tiny-model demo's settings.
 from __future__ import annotations
 
 import re
+import time
+from collections.abc import Callable
 from enum import StrEnum
-from typing import TYPE_CHECKING, Literal, Self
+from typing import Literal, Self
 
+import redis
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from shared import keys
 from shared.domain.envs.spec import EnvSpec
 from shared.domain.tasks.spec import TaskSpec
-
-if TYPE_CHECKING:
-    import redis
 
 JOB_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,47}$")
 
@@ -331,11 +331,75 @@ def same_model(a: str, b: str) -> bool:
     return a == b or norm(a) == norm(b)
 
 
+class UnreadableJob(ValueError):
+    """A stored job record that does not parse as a JobRecord (written by another version, or damaged)."""
+
+
 def load_job(r: redis.Redis, job_id: str) -> JobRecord | None:
-    """The api's stored copy of a job (what every stage acts on)."""
+    """The api's stored copy of a job (what every stage acts on); None when there is none.
+
+    Raises UnreadableJob when the record is there but cannot be read: callers that serve
+    several jobs skip that one and report it, so one bad record never breaks the others.
+    """
     raw = r.hget(keys.jobs_index(), job_id)
-    return JobRecord.model_validate_json(raw) if raw else None
+    return parse_job(job_id, raw) if raw else None
 
 
-def save_job(r: redis.Redis, rec: JobRecord) -> None:
-    r.hset(keys.jobs_index(), rec.id, rec.model_dump_json())
+def parse_job(job_id: str, raw: bytes | str) -> JobRecord:
+    try:
+        return JobRecord.model_validate_json(raw)
+    except ValueError as e:  # pydantic's ValidationError is a ValueError
+        raise UnreadableJob(f"job {job_id}: stored record is unreadable: {str(e)[:300]}") from None
+
+
+def insert_job(pipe: redis.Redis | redis.client.Pipeline, rec: JobRecord) -> None:
+    """Write a new job's record (the api's create does it inside its MULTI, with the job's other
+    keys). Every later change goes through `update_job`."""
+    pipe.hset(keys.jobs_index(), rec.id, rec.model_dump_json())
+
+
+def update_job(
+    r: redis.Redis, job_id: str, change: Callable[[JobRecord], bool | None], *, attempts: int = 50
+) -> JobRecord | None:
+    """The one way to change a stored job record: read, `change(rec)`, write, under WATCH.
+
+    `change` edits the record in place and returns False to leave it as it is (nothing is
+    written). A concurrent write by another service makes the transaction retry with the
+    fresh record, so no writer ever overwrites another's change (a cancel by the api and a
+    refusal note by rollout, say). Returns the record as stored, or None when there is none.
+    """
+    key = keys.jobs_index()
+    for _ in range(attempts):
+        with r.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(key)
+                raw = pipe.hget(key, job_id)
+                if raw is None:
+                    return None
+                rec = parse_job(job_id, raw)
+                if change(rec) is False:
+                    return rec
+                rec.updated_at = time.time()
+                pipe.multi()
+                pipe.hset(key, job_id, rec.model_dump_json())
+                pipe.execute()
+                return rec
+            except redis.WatchError:
+                continue
+    raise RuntimeError(f"job {job_id}: record kept changing under {attempts} attempts to update it")
+
+
+def set_state(
+    r: redis.Redis, job_id: str, state: JobState, *, only_from: set[JobState], error: str | None = None
+) -> JobRecord | None:
+    """Move a job to `state` if it is in one of `only_from` (else leave it); `error` replaces its error."""
+
+    def change(rec: JobRecord) -> bool:
+        if rec.state not in only_from:
+            return False
+        rec.state = state
+        if error is not None:
+            rec.error = error
+        return True
+
+    return update_job(r, job_id, change)

@@ -17,7 +17,7 @@ import pytest
 
 from bench.rollout_common import wait_vllm_server
 from services.cli.launch import free_port, terminate
-from services.ref.engine import HFScorer, Rejected, Scorer, Seq, build_scorer
+from services.ref.engine import HFScorer, RefScorer, Rejected, Seq, build_scorer
 from services.ref.settings import RefSettings
 
 pytestmark = pytest.mark.slow
@@ -47,7 +47,7 @@ def hf_logprobs(tiny_model: Path, seqs: list[Seq]) -> list[list[float]]:
     return HFScorer(str(tiny_model), max_batch_tokens=64).score(seqs)  # small chunks: several forwards
 
 
-def _agree(scorer: Scorer, seqs: list[Seq], want: list[list[float]]) -> float:
+def _agree(scorer: RefScorer, seqs: list[Seq], want: list[list[float]]) -> float:
     got = scorer.score(seqs)
     assert [len(g) for g in got] == [len(c) for _, c in seqs]
     worst = max(abs(a - b) for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
@@ -62,7 +62,7 @@ def test_hf_batching_does_not_change_numbers(tiny_model: Path, seqs: list[Seq], 
 
 
 @pytest.fixture(scope="class")
-def vllm_scorer(tiny_model: Path) -> Iterator[Scorer]:
+def vllm_scorer(tiny_model: Path) -> Iterator[RefScorer]:
     from services.ref.engine import VllmScorer
 
     sc = VllmScorer(str(tiny_model), dtype="float32")

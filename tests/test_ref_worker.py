@@ -25,7 +25,7 @@ from services.ref.worker import RefWorker
 from services.trainer.advantages import compute_advantages, group_advantages
 from shared import keys
 from shared.bus import FIELD, Bus
-from shared.job import JobRecord, JobSpec, JobState, save_job
+from shared.job import JobRecord, JobSpec, JobState, insert_job
 from shared.metrics import read_ledger, read_points
 from shared.schema import Completion, GroupMsg, decode, decode_dead, encode, pack_f32, pack_i32, pack_u8, unpack_f32
 from shared.service import ServiceRuntime
@@ -37,7 +37,7 @@ def _job(r, **spec: object) -> JobRecord:  # noqa: ANN001
         id=f"ref-{os.urandom(3).hex()}", spec=JobSpec(**spec), state=JobState.running, created_at=now, updated_at=now
     )
     Bus.ensure_groups(r, rec.id)
-    save_job(r, rec)
+    insert_job(r, rec)
     r.sadd(keys.active_jobs(), rec.id)
     return rec
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -9,12 +10,13 @@ from fastapi import APIRouter, FastAPI, HTTPException, Query
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
-from services.api import jobs, overview
+from services.api import jobs, overview, recovery
 from shared import keys
 from shared.domain.tasks import task_for_job
 from shared.job import JobRecord, JobSpec
 from shared.metrics import read_points
 from shared.service import ServiceRuntime
+from shared.store import ObjectStore
 
 STATIC = Path(__file__).resolve().parent / "static"
 # Paths served without a token: liveness/readiness/Prometheus (scrapers and probes carry
@@ -38,9 +40,21 @@ def _not_found(job_id: str) -> HTTPException:
     return HTTPException(404, f"no job {job_id!r}")
 
 
-def build_routes(rt: ServiceRuntime) -> FastAPI:
+def build_routes(rt: ServiceRuntime, store: ObjectStore | None = None) -> FastAPI:
     r = rt.redis
     router = APIRouter(prefix="/v1", dependencies=[rt.auth])
+
+    @router.get("/orphans", tags=["jobs"])
+    def orphans() -> list[dict[str, Any]]:
+        """Jobs the object store holds but Redis does not know (Redis lost them): recoverable or not, and why."""
+        return [asdict(o) for o in recovery.orphaned_jobs(r, store)] if store is not None else []
+
+    @router.post("/orphans/recover", tags=["jobs"])
+    def recover(job: Annotated[list[str] | None, Query(max_length=1000)] = None) -> dict[str, list[str]]:
+        """Register orphaned jobs again from the store (all recoverable ones, or those named by `job`)."""
+        if store is None:
+            raise HTTPException(409, "this api has no object store configured (STORE_URL)")
+        return {"recovered": recovery.recover_jobs(r, store, job)}
 
     @router.post("/jobs", status_code=201, tags=["jobs"], responses={422: {"description": "Invalid spec"}})
     def create_job(spec: JobSpec) -> JobRecord:
@@ -54,7 +68,10 @@ def build_routes(rt: ServiceRuntime) -> FastAPI:
             raise HTTPException(
                 422, [{"type": "value_error", "loc": ["body", field], "msg": str(msg), "input": spec.task}]
             ) from None
-        return jobs.create_job(r, spec=spec)
+        rec = jobs.create_job(r, spec=spec)
+        if store is not None:  # the copy recovery needs, should Redis ever lose the job
+            recovery.save_job_copy(store, rec)
+        return rec
 
     @router.get("/jobs", tags=["jobs"])
     def list_jobs() -> list[JobRecord]:

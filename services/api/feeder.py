@@ -18,8 +18,9 @@ import redis
 from shared import keys
 from shared.bus import FIELD, trim_job
 from shared.domain.tasks import TaskItem, task_for_job
-from shared.job import JobRecord, JobState, load_job, save_job
+from shared.job import JobRecord, JobState, load_job, update_job
 from shared.metrics import read_evals, read_ledger
+from shared.policy import read_pointer
 from shared.schema import PromptMsg, encode
 
 log = logging.getLogger(__name__)
@@ -126,9 +127,8 @@ class Feeder:
 
     def _maybe_retire(self, rec: JobRecord) -> None:
         """A completed job leaves the active set once its final version is evaluated."""
-        final = int(self.r.get(keys.policy_pointer(rec.id)) or 0)
+        final = read_pointer(self.r, rec.id)
         evaluated = {e["version"] for e in read_evals(self.r, rec.id)}
         if final in evaluated or rec.spec.eval_size == 0 or time.time() - rec.updated_at > 600:
             self.r.srem(keys.active_jobs(), rec.id)
-            rec.updated_at = time.time()
-            save_job(self.r, rec)
+            update_job(self.r, rec.id, lambda _: True)  # updated_at: when it retired

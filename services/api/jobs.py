@@ -10,8 +10,9 @@ import redis
 
 from shared import keys
 from shared.bus import Bus
-from shared.job import JobRecord, JobSpec, JobState, load_job, save_job
+from shared.job import JobRecord, JobSpec, JobState, UnreadableJob, insert_job, load_job, parse_job, update_job
 from shared.metrics import read_evals, read_ledger, read_points
+from shared.policy import init_pointer, read_pointer
 
 
 class JobNotFound(KeyError):
@@ -29,8 +30,8 @@ def create_job(r: redis.Redis, *, spec: JobSpec) -> JobRecord:
     )
     Bus.ensure_groups(r, rec.id)
     pipe = r.pipeline(transaction=True)
-    pipe.hset(keys.jobs_index(), rec.id, rec.model_dump_json())
-    pipe.set(keys.policy_pointer(rec.id), 0)  # version 0 = the base model, no adapter
+    insert_job(pipe, rec)
+    init_pointer(pipe, rec.id)  # version 0 = the base model, no adapter
     pipe.hset(keys.ledger(rec.id), mapping={"fed": 0, "produced": 0, "scored": 0, "trained": 0, "dead": 0})
     pipe.sadd(keys.active_jobs(), rec.id)
     pipe.execute()
@@ -45,8 +46,26 @@ def get_job(r: redis.Redis, *, job_id: str) -> JobRecord:
 
 
 def list_jobs(r: redis.Redis) -> list[JobRecord]:
-    recs = [JobRecord.model_validate_json(v) for v in r.hgetall(keys.jobs_index()).values()]
+    """Every readable job, oldest first. An unreadable record is left out (and counted by
+    `unreadable_jobs`), so one bad record never breaks the listing of the others."""
+    recs = []
+    for job_id, raw in r.hgetall(keys.jobs_index()).items():
+        try:
+            recs.append(parse_job(job_id.decode(), raw))
+        except UnreadableJob:
+            continue
     return sorted(recs, key=lambda j: j.created_at)
+
+
+def unreadable_jobs(r: redis.Redis) -> dict[str, str]:
+    """job id -> why its stored record cannot be read."""
+    out = {}
+    for job_id, raw in r.hgetall(keys.jobs_index()).items():
+        try:
+            parse_job(job_id.decode(), raw)
+        except UnreadableJob as e:
+            out[job_id.decode()] = str(e)
+    return out
 
 
 _TRANSITIONS = {
@@ -58,12 +77,20 @@ _TRANSITIONS = {
 
 def transition(r: redis.Redis, *, job_id: str, action: str) -> JobRecord:
     allowed, target = _TRANSITIONS[action]
-    rec = get_job(r, job_id=job_id)
-    if rec.state not in allowed:
-        raise BadTransition(f"cannot {action} a job that is {rec.state.value}")
-    rec.state = target
-    rec.updated_at = time.time()
-    save_job(r, rec)
+    refused: list[JobState] = []
+
+    def change(rec: JobRecord) -> bool:
+        if rec.state not in allowed:
+            refused.append(rec.state)
+            return False
+        rec.state = target
+        return True
+
+    rec = update_job(r, job_id, change)
+    if rec is None:
+        raise JobNotFound(job_id)
+    if refused:
+        raise BadTransition(f"cannot {action} a job that is {refused[-1].value}")
     if target == JobState.cancelled:
         r.srem(keys.active_jobs(), job_id)
     return rec
@@ -71,7 +98,7 @@ def transition(r: redis.Redis, *, job_id: str, action: str) -> JobRecord:
 
 def job_status(r: redis.Redis, *, job_id: str) -> dict[str, Any]:
     rec = get_job(r, job_id=job_id)
-    version = int(r.get(keys.policy_pointer(job_id)) or 0)
+    version = read_pointer(r, job_id)
     trainer = read_points(r, job_id, "trainer")
     return {
         "job": rec.model_dump(mode="json"),

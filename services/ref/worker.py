@@ -20,17 +20,16 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import numpy as np
 from prometheus_client import Counter, Gauge
 
-from services.ref.engine import EngineError, Rejected, Scorer, Seq, validate
+from services.ref.engine import RefScorer, Rejected, ScorerUnavailable, Seq, validate
 from services.ref.settings import RefSettings
 from shared import keys
 from shared.bus import Bus, Entry
 from shared.job import JobSpec, load_job, same_model
 from shared.metrics import record_point
-from shared.schema import GroupMsg, decode, encode, pack_f32, unpack_f32, unpack_i32, unpack_u8
+from shared.schema import GroupMsg, encode, pack_f32, unpack_f32, unpack_i32, unpack_u8
 from shared.service import ServiceRuntime, active_job_ids
 
 log = logging.getLogger(__name__)
@@ -96,9 +95,15 @@ class JobBatchStats:
 
 
 class RefWorker:
-    def __init__(self, rt: ServiceRuntime, settings: RefSettings, scorer: Scorer) -> None:
+    def __init__(self, rt: ServiceRuntime, settings: RefSettings, scorer: RefScorer) -> None:
         self.rt, self.settings, self.scorer = rt, settings, scorer
-        self.bus = Bus(rt.redis, keys.GROUP_REF, settings.replica, heartbeat_role="ref")
+        self.bus = Bus(
+            rt.redis,
+            keys.GROUP_REF,
+            settings.replica,
+            heartbeat_role="ref",
+            claim_idle_ms=int(settings.claim_idle_s * 1000),
+        )
         self.jobs: dict[str, JobView] = {}
         self.held: list[Entry] = []  # a batch the engine could not score yet (retried first)
         self._vocab: dict[str, Vocab | str] = {}  # model -> Vocab, or why it could not be loaded
@@ -181,7 +186,10 @@ class RefWorker:
     def handle(self, entries: list[Entry]) -> int:
         """Score a batch; forward each group, or dead-letter it with the reason. Returns groups forwarded."""
         todo: list[tuple[Entry, GroupMsg, list[Seq]]] = []
-        for e in entries:
+        decoded = self.bus.decode(entries, GroupMsg)  # undecodable ones are dead-lettered there
+        if len(decoded) < len(entries):
+            self.m_rejected.labels("undecodable").inc(len(entries) - len(decoded))
+        for e, g in decoded:
             view = self._view(e.job_id)
             if view is None:
                 self._reject(e, "job", f"unknown job {e.job_id}")
@@ -192,11 +200,6 @@ class RefWorker:
                     "job",
                     f"this ref replica serves {self.settings.model}, the job's reference is {view.spec.reference_model}",
                 )
-                continue
-            try:
-                g = decode(e.data, GroupMsg)
-            except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as err:
-                self._reject(e, "undecodable", f"undecodable group: {err}")
                 continue
             if g.stage != "scored":
                 self._reject(e, "stage", f"group at stage {g.stage!r}, expected 'scored'")
@@ -210,7 +213,7 @@ class RefWorker:
                 for s in seqs:
                     validate(s, self.scorer.max_len, self.scorer.vocab_size)
             except Rejected as err:
-                self._reject(e, "too_long" if "exceeds" in str(err) else "input", str(err))
+                self._reject(e, err.kind, str(err))
                 continue
             todo.append((e, g, seqs))
         if not todo:
@@ -233,7 +236,7 @@ class RefWorker:
                     results.append(self.scorer.score(seqs))
                 except Rejected as err:
                     results.append(err)
-        except EngineError as err:
+        except ScorerUnavailable as err:
             self.held = [e for e, _, _ in todo]  # retried on the next tick, after the backoff
             self.rt.health.set("engine", False, str(err))
             self.rt.stop.wait(self.settings.engine_retry_s)
@@ -243,10 +246,10 @@ class RefWorker:
 
         now = time.time()
         stats: dict[str, JobBatchStats] = defaultdict(JobBatchStats)
-        done = 0
+        units: list[tuple[Entry, list[tuple[str, bytes]], dict[str, int]]] = []
         for (e, g, seqs), res in zip(todo, results, strict=True):
             if isinstance(res, Rejected):
-                self._reject(e, "engine_refused", str(res))
+                self._reject(e, res.kind, str(res))
                 continue
             st = stats[e.job_id]
             for c, lp in zip(g.completions, res, strict=True):
@@ -263,7 +266,9 @@ class RefWorker:
                 st.lags.append(max(0.0, now - g.sampled_at))
             st.versions.append(g.policy_version)
             g.stage = "ready"
-            done += self.bus.forward([e], [(keys.ready(e.job_id), encode(g))], {e.job_id: {"refd": 1}})
+            units.append((e, [(keys.ready(e.job_id), encode(g))], {"refd": 1}))
+        # One round trip for the batch; each group still hands on atomically and at most once.
+        done = self.bus.settle(units)
         self._record(stats, seconds)
         return done
 

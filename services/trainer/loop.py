@@ -20,11 +20,11 @@ import logging
 import time
 from collections import Counter, deque
 
-import msgspec
 import torch
 
 from services.trainer.checkpoint import (
     TrainState,
+    latest_checkpoint,
     load_newest_valid,
     optimizer_from_tensors,
     prune_checkpoints,
@@ -35,15 +35,29 @@ from services.trainer.distributed import CMD_STEP, CMD_STOP, Comm
 from services.trainer.learner import Aborted, Learner, StepResult
 from services.trainer.policy import load_policy, load_policy_files, policy_files
 from services.trainer.probe import compute_probe
+from services.trainer.progress import JobStuck, StaleStreak, clear_failures
+from services.trainer.retention import Retention, prune_versions
 from services.trainer.settings import TrainerSettings
 from shared import keys
 from shared.bus import Bus, Entry
-from shared.job import JobRecord, JobState, load_job, save_job
+from shared.fence import max_epoch, record_takeover, refusal
+from shared.job import JobRecord, JobState, UnreadableJob, load_job, set_state
+from shared.lease import Lease, LeaseKeeper, LeaseLost
 from shared.metrics import read_ledger, record_point
-from shared.policy import MANIFEST, Manifest, publish_version, version_prefix
-from shared.schema import Completion, GroupMsg, PolicyPublished, decode, encode, unpack_f32
+from shared.policy import (
+    MANIFEST,
+    Manifest,
+    ProbeMismatch,
+    advance_pointer,
+    check_probe,
+    latest_version,
+    publish_version,
+    read_manifest,
+    version_prefix,
+)
+from shared.schema import Completion, GroupMsg, decode, unpack_f32
 from shared.service import ServiceRuntime, active_job_ids
-from shared.store import ObjectStore, VerificationError, get_folder
+from shared.store import ObjectStore, StoreError, VerificationError, get_folder
 
 log = logging.getLogger(__name__)
 CONSUMER = "trainer"  # one trainer per job (leased), so a fixed name finds its own pending entries
@@ -74,14 +88,24 @@ class JobTrainer:
         store: ObjectStore,
         rec: JobRecord,
         *,
+        lease: Lease | None = None,
+        keeper: LeaseKeeper | None = None,
         comm: Comm | None = None,
         session_start: float | None = None,
     ) -> None:
         self.rt, self.s, self.store, self.rec = rt, settings, store, rec
+        # The lease this trainer holds on the job (rank 0 only; followers write nothing).
+        self.lease, self.keeper = lease, keeper
         self.comm = comm or Comm()
         self.r = rt.redis
         # The trainer keeps entries pending across reads until a checkpoint holds them.
-        self.bus = Bus(self.r, keys.GROUP_TRAINER, CONSUMER, redo_own_pending=False)
+        self.bus = Bus(
+            self.r,
+            keys.GROUP_TRAINER,
+            CONSUMER,
+            redo_own_pending=False,
+            claim_idle_ms=int(settings.claim_idle_s * 1000),
+        )
         spec = rec.spec
         self.device = settings.device if settings.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         self.model, self.tok = load_policy(
@@ -119,6 +143,12 @@ class JobTrainer:
         self.save_times: deque[float] = deque(maxlen=5)
         self.publish_times: deque[float] = deque(maxlen=5)
         self.exit_reason = ""
+        self.progress = StaleStreak(
+            max_staleness=spec.max_staleness,
+            limit=settings.stuck_groups,
+            grace_s=settings.stuck_grace_s,
+            published_at=self._published_at,
+        )
         self._restore()
 
     # -- resume ----------------------------------------------------------------------
@@ -153,13 +183,12 @@ class JobTrainer:
                     break
                 if self._out_of_budget(about_to_step=False):
                     break
-                if not self._renew_lease():
-                    log.warning("job %s: lost the lease; stopping", self.rec.id)
-                    self.exit_reason = "lost the lease"
-                    return  # another trainer owns the job now: it must not see our writes
+                self._assert_lease()
                 rec = load_job(self.r, self.rec.id)
                 if rec is None or rec.state in (JobState.cancelled, JobState.failed):
-                    self.exit_reason = "job ended"
+                    # Nothing is checkpointed: a cancelled job's groups are not trained any more.
+                    self.exit_reason = "its record vanished" if rec is None else f"it was {rec.state.value}"
+                    log.warning("job %s: stopping at step %d: %s", self.rec.id, self.state.step, self.exit_reason)
                     return
                 need = spec.batch_size - len(self.pending)
                 entries = self._read(need, first)
@@ -177,6 +206,18 @@ class JobTrainer:
                     self.pending = self.pending[spec.batch_size :]
                     t_wait = time.time()
             self._checkpoint_if_dirty()
+        except JobStuck as e:
+            self._checkpoint_if_dirty()
+            set_state(self.r, self.rec.id, JobState.failed, only_from={JobState.running}, error=str(e))
+            log.error("job %s: failed: %s", self.rec.id, e)
+            self.exit_reason = "job cannot make progress"
+            return
+        except LeaseLost as e:
+            # Another trainer owns the job now: whatever we trained since our last checkpoint
+            # stays unacknowledged for it, and nothing of ours may be written any more.
+            log.error("%s; stopping without writing anything more", e)
+            self.exit_reason = "lost the lease"
+            return
         finally:
             self.comm.broadcast_int(CMD_STOP)
         if self.exit_reason.startswith("time budget"):
@@ -185,10 +226,7 @@ class JobTrainer:
         elif self.exit_reason:
             log.info("job %s: %s", self.rec.id, self.exit_reason)
         if self.state.step >= spec.steps:
-            rec = load_job(self.r, self.rec.id)
-            if rec and rec.state == JobState.running:
-                rec.state, rec.updated_at = JobState.completed, time.time()
-                save_job(self.r, rec)
+            if set_state(self.r, self.rec.id, JobState.completed, only_from={JobState.running}):
                 log.info("job %s: completed %d steps", self.rec.id, spec.steps)
 
     def _follow(self) -> None:
@@ -217,28 +255,21 @@ class JobTrainer:
     def _read(self, need: int, own_pending: bool) -> list[Entry]:
         stream = keys.ready(self.rec.id)
         if own_pending:
-            resp = self.r.xreadgroup(keys.GROUP_TRAINER, CONSUMER, {stream: "0"}, count=10_000)
-            return [Entry(stream, i.decode(), f.get(b"m", b"")) for _, es in resp or [] for i, f in es if f]
+            return self.bus.read_own(stream, count=10_000)
         return self.bus.read([stream], count=max(1, need), block_ms=1000)
 
     def _admit(self, entries: list[Entry]) -> None:
         spec, version = self.rec.spec, self.state.step
         queued = {g.group_id for _, g in self.pending} | {gid for _, gid in self.since_ckpt}
         held = {e.id for e, _ in self.pending} | {e.id for e, _ in self.since_ckpt}
-        for e in entries:
-            try:
-                g = decode(e.data, GroupMsg)
-            except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as err:
-                self.bus.dead_letter(e, f"undecodable group: {err}")
-                continue
-            if e.id in held:
-                # Our own entry again (re-read of our pending list, or reclaimed from
-                # ourselves): it is acknowledged with its checkpoint, not before.
-                continue
+        # Our own entry again (re-read of our pending list, or reclaimed from ourselves): it is
+        # acknowledged with its checkpoint, not before.
+        fresh = [e for e in entries if e.id not in held]
+        for e, g in self.bus.decode(fresh, GroupMsg):
             if g.group_id in self.ckpt_groups:
                 # Redelivered after a crash between storing the checkpoint and acking it: its
                 # gradient is in the weights, and the ack (with its ledger count) never happened.
-                self.bus.ack([e], {self.rec.id: {"trained": 1}})
+                self._ack([e], "trained")
             elif g.stage != "ready" or (spec.uses_ref and not all(c.ref_logprobs for c in g.completions)):
                 self.bus.dead_letter(e, f"group not ready for training (stage {g.stage!r}, ref log-probs missing?)")
             elif not all(_arrays_consistent(c) for c in g.completions):
@@ -246,18 +277,37 @@ class JobTrainer:
             elif not g.completions or len(g.completions) != spec.group_size:
                 self.bus.dead_letter(e, f"group has {len(g.completions)} completions, job wants {spec.group_size}")
             elif version - g.policy_version > spec.max_staleness:
-                self.bus.ack([e], {self.rec.id: {"dropped_stale": 1}})
+                self._ack([e], "dropped_stale")
+                self.progress.stale(g, version)
             elif spec.algorithm.dynamic_sampling and _zero_variance(g):
                 # DAPO dynamic sampling: no advantage signal; the batch fills with informative groups.
-                self.bus.ack([e], {self.rec.id: {"dropped_zero_variance": 1}})
+                self._ack([e], "dropped_zero_variance")
                 self.dropped_zero_var += 1
             elif g.group_id in queued:
                 # Another entry carrying a group we already hold; the ledger counted the group
                 # once, so this extra copy is acknowledged without a count.
-                self.bus.ack([e])
+                self.bus.ack([e], fence=self._fence())
             else:
                 self.pending.append((e, g))
                 queued.add(g.group_id)
+        if why := self.progress.stuck():
+            raise JobStuck(why)
+
+    def _ack(self, entries: list[Entry], counter: str) -> None:
+        """Acknowledge with one ledger count each, as the lease holder (raises LeaseLost if not)."""
+        self.bus.ack(entries, {self.rec.id: {counter: len(entries)}}, fence=self._fence())
+
+    def _fence(self):  # noqa: ANN202 (Fence | None)
+        return self.lease.fence if self.lease is not None else None
+
+    def _assert_lease(self) -> None:
+        """Before every write only the holder may make (a manifest, a pointer move): raises LeaseLost."""
+        if self.lease is None:
+            return
+        if self.keeper is not None:
+            self.keeper.check()
+        if not self.lease.held():
+            raise LeaseLost(f"job {self.rec.id}: lease lost (another trainer holds it now)")
 
     def _step(self, items: list[tuple[Entry, GroupMsg]], wait_s: float) -> None:
         spec = self.rec.spec
@@ -291,6 +341,9 @@ class JobTrainer:
             self._ack_checkpointed()  # ... then acknowledged
         t_pub = time.time() - t0 - t_train - t_ckpt
         self.step_times.append(t_train + t_pub)
+        self.progress.trained()
+        if self.state.step == 1 or checkpointed:
+            clear_failures(self.r, self.rec.id)  # it loads and trains: earlier failures were transient
         self._record(items, res, wait_s=wait_s, t_train=t_train, t_pub=t_pub, t_ckpt=t_ckpt, checkpointed=checkpointed)
 
     def _record(
@@ -373,7 +426,16 @@ class JobTrainer:
         t0 = time.time()
         files = files if files is not None else policy_files(self.model, self.rec.spec.base_model)
         self.state.trained_groups = [gid for _, gid in self.since_ckpt]
-        save_checkpoint(self.store, self.rec.id, self.state, files, self.learner.opt, self.learner.sched)
+        save_checkpoint(
+            self.store,
+            self.rec.id,
+            self.state,
+            files,
+            self.learner.opt,
+            self.learner.sched,
+            epoch=self._epoch(),
+            before_manifest=self._assert_lease,
+        )
         dt = time.time() - t0
         self.save_times.append(dt)
         if dt > self.s.grace_s:
@@ -381,15 +443,22 @@ class JobTrainer:
         if ack:
             self._ack_checkpointed()
         try:
-            prune_checkpoints(self.store, self.rec.id, self.s.keep_checkpoints)
-        except Exception as e:  # old checkpoints are clutter, not a correctness problem
-            log.warning("could not prune old checkpoints: %s", e)
+            kept = prune_checkpoints(self.store, self.rec.id, self.s.keep_checkpoints)
+            prune_versions(
+                self.store,
+                self.r,
+                self.rec.id,
+                Retention(self.s.keep_versions, self.s.keep_versions_every),
+                checkpoint_steps=kept,
+            )
+        except Exception as e:  # old checkpoints and versions are clutter, not a correctness problem
+            log.warning("could not prune old checkpoints or versions: %s", e)
         return dt
 
     def _ack_checkpointed(self) -> None:
         entries = [e for e, _ in self.since_ckpt]
         if entries:
-            self.bus.ack(entries, {self.rec.id: {"trained": len(entries)}})
+            self._ack(entries, "trained")
         self.ckpt_groups = {gid for _, gid in self.since_ckpt}
         self.since_ckpt = []
 
@@ -399,36 +468,62 @@ class JobTrainer:
             dt = self._checkpoint()
             log.info("job %s: exit checkpoint at step %d (%.2fs)", self.rec.id, self.state.step, dt)
 
+    def _published_at(self, version: int) -> float | None:
+        """When version's manifest was written (None: not published, or unreadable)."""
+        if version <= 0:
+            return None
+        try:
+            return read_manifest(self.store, self.rec.id, version).created_at
+        except (StoreError, ValueError, TypeError):
+            return None
+
+    def _epoch(self) -> int:
+        return self.lease.epoch if self.lease is not None else 0
+
     # -- publishing ------------------------------------------------------------------
     def _publish(self, files: dict[str, bytes]) -> None:
-        prefix = version_prefix(self.rec.id, self.state.step)
+        v = self.state.step
+        prefix = version_prefix(self.rec.id, v)
+        probe = compute_probe(self.model, self.tok, self.rec.spec.task)
         if self.store.exists(f"{prefix}/{MANIFEST}"):
-            try:
-                get_folder(self.store, prefix)  # every hash checked
-                # Re-trained after resuming from an older checkpoint: versions are immutable,
-                # and the existing one came from the same groups (identical on CPU, near on GPU).
-                log.info("job %s: policy v%d already published; keeping it", self.rec.id, self.state.step)
+            why = self._existing_version_problem(v, probe)
+            if not why:
+                # Re-trained after resuming from an older checkpoint: versions are immutable, and
+                # this one is ours in all but name (its probe agrees with these weights).
+                log.info("job %s: policy v%d already published and matches these weights; keeping it", self.rec.id, v)
                 return
-            except (VerificationError, ValueError, KeyError) as e:
-                # Not a version this trainer could have written intact (torn or tampered
-                # files): rollout would refuse it forever. Replace it, manifest first, so
-                # no reader ever sees the new files under the old manifest.
-                log.error(
-                    "job %s: policy v%d in the store is corrupt (%s); publishing it again",
-                    self.rec.id,
-                    self.state.step,
-                    e,
-                )
-                self.store.delete(f"{prefix}/{MANIFEST}")
+            # Rollout would refuse it (or serve weights that are not ours). Replace it, manifest
+            # first, so no reader ever sees the new files under the old manifest.
+            log.error("job %s: policy v%d in the store %s; publishing it again", self.rec.id, v, why)
+            self._assert_lease()
+            self.store.delete(f"{prefix}/{MANIFEST}")
         m = Manifest(
             job_id=self.rec.id,
-            version=self.state.step,
-            step=self.state.step,
+            version=v,
+            step=v,
             base_model=self.rec.spec.base_model,
             files={},
-            probe=compute_probe(self.model, self.tok, self.rec.spec.task),
+            probe=probe,
+            epoch=self._epoch(),
         )
-        publish_version(self.store, m, files)
+        publish_version(self.store, m, files, before_manifest=self._assert_lease)
+        self.progress.published(v, m.created_at)
+
+    def _existing_version_problem(self, v: int, probe: dict[str, list]) -> str:
+        """Why the stored version v must be replaced ("" when it may stay): torn or tampered
+        files, a deposed trainer's write, or weights other than these (a forged version)."""
+        try:
+            meta, _ = get_folder(self.store, version_prefix(self.rec.id, v))  # every hash checked
+            m = Manifest(**meta)
+        except (VerificationError, StoreError, ValueError, KeyError, TypeError) as e:
+            return f"is corrupt ({type(e).__name__}: {e})"
+        if why := refusal(self.store, self.rec.id, "version", v, m.epoch):
+            return f"was written by a deposed trainer ({why})"
+        try:
+            check_probe(m.probe, probe["logprobs"], self.s.republish_probe_tolerance)
+        except ProbeMismatch as e:
+            return f"does not hold these weights ({e})"
+        return ""
 
     def _publish_if_missing(self) -> None:
         if not self.store.exists(f"{version_prefix(self.rec.id, self.state.step)}/{MANIFEST}"):
@@ -437,36 +532,38 @@ class JobTrainer:
 
     def _advance_pointer(self) -> None:
         v = self.state.step
-        cur = int(self.r.get(keys.policy_pointer(self.rec.id)) or 0)
-        if v > cur:
-            event = PolicyPublished(
-                job_id=self.rec.id, version=v, path=version_prefix(self.rec.id, v), step=v, published_at=time.time()
-            )
-            pipe = self.r.pipeline(transaction=True)
-            pipe.set(keys.policy_pointer(self.rec.id), v)
-            pipe.xadd(keys.policy_events(self.rec.id), {b"m": encode(event)}, maxlen=1000, approximate=True)
-            pipe.execute()
+        if self.lease is not None:
+            advance_pointer(self.r, self.rec.id, v, self.lease.fence)
         self.rt.gauges["policy_versions"] = {self.rec.id: v}
 
-    def _renew_lease(self) -> bool:
-        key = keys.trainer_lease(self.rec.id)
-        holder = self.r.get(key)
-        if holder not in (None, self.s.replica.encode()):
-            return False
-        self.r.set(key, self.s.replica, ex=self.s.lease_s)
-        return True
 
+def claim_job(rt: ServiceRuntime, settings: TrainerSettings, store: ObjectStore) -> tuple[JobRecord, Lease] | None:
+    """The first running job (or the configured one) whose lease we can take, with that lease.
 
-def claim_job(rt: ServiceRuntime, settings: TrainerSettings) -> JobRecord | None:
-    """The first running job (or the configured one) whose lease we can take."""
+    Taking the lease bumps the job's fencing epoch; before anything else the new holder
+    records the takeover in the store (shared/fence.py), so whatever a deposed holder writes
+    from now on is refused by every reader."""
     candidates = [settings.job] if settings.job else active_job_ids(rt.redis)
     for job_id in candidates:
-        rec = load_job(rt.redis, job_id)
+        try:
+            rec = load_job(rt.redis, job_id)
+        except UnreadableJob as e:
+            log.error("%s; skipped", e)
+            continue
         if rec is None or rec.state != JobState.running:
             continue
-        key = keys.trainer_lease(job_id)
-        if rt.redis.set(key, settings.replica, nx=True, ex=settings.lease_s):
-            return rec
-        if rt.redis.get(key) == settings.replica.encode():  # ours, from before an error
-            return rec
+        lease = Lease(rt.redis, job_id, settings.replica, settings.lease_s)
+        if not lease.acquire(floor=max_epoch(store, job_id)):  # never an epoch the store has seen
+            continue
+        try:
+            version = latest_version(store, job_id)
+            ckpt = latest_checkpoint(store, job_id)
+            record_takeover(
+                store, job_id, lease.epoch, lease.token, version=version, checkpoint=-1 if ckpt is None else ckpt
+            )
+        except BaseException:
+            lease.release()
+            raise
+        log.info("job %s: lease taken (epoch %d; store has v%d, checkpoint %s)", job_id, lease.epoch, version, ckpt)
+        return rec, lease
     return None
