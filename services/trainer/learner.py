@@ -237,14 +237,15 @@ class Learner:
         # M2PO masks by the whole mini-batch's log-ratios: when one pass sees only part of it
         # (micro-batches, ranks), the anchor is needed before the first backward.
         m2po_split = cfg.mismatch == "m2po" and (self.world > 1 or any(len(c) > 1 for c in passes))
-        if a.ppo_epochs * a.minibatches > 1 or m2po_split:
+        anchored = a.ppo_epochs * a.minibatches > 1 or m2po_split  # the same on every rank
+        if anchored:
             # The PPO anchor: log-probs under the weights the batch started from.
             with torch.no_grad():
                 for i, chunks in enumerate(passes):
                     for j, rows in enumerate(chunks):
                         old[i, j] = self._forward(b, rows)[0].detach()
         cuts: list[float | None] = [None] * len(passes)
-        if cfg.mismatch == "m2po" and old:
+        if cfg.mismatch == "m2po" and anchored:  # a collective: a rank with no rows takes part too
             cuts = [self._m2po_cut(b, c, [old[i, j] for j in range(len(c))]) for i, c in enumerate(passes)]
         res.fwd_bwd_s += time.perf_counter() - t0
 
