@@ -119,6 +119,14 @@ def service_pattern() -> str:
     return f"{PREFIX}:svc:*"
 
 
+def job_key_pattern(job_id: str) -> str:
+    """SCAN pattern matching every per-job key of `job_id` (they all have job_of_stream's shape).
+
+    Glob characters in the id are escaped, so the pattern never reaches another job's keys."""
+    escaped = "".join(f"\\{c}" if c in "*?[]\\" else c for c in job_id)
+    return f"{PREFIX}:{escaped}:*"
+
+
 def job_of_stream(stream: str) -> str:
     """The job a per-job key belongs to: `{PREFIX}:{job}:{what}` (job ids hold no ':')."""
     head, _, rest = stream.partition(":")

@@ -148,6 +148,9 @@ def submit(
             if bridge:
                 bridge.close()
         print_summary(status, console)
+        if status.get("outcome") == "timed out":
+            console.print("[yellow]stopped following: timed out before the job finished[/]")
+            raise typer.Exit(1)
 
 
 @app.command()
@@ -220,8 +223,12 @@ def jobs(
     import httpx
 
     if not orphaned:
-        for j in httpx.get(f"{_api(api)}/v1/jobs", headers=_headers(), timeout=10).json():
+        resp = httpx.get(f"{_api(api)}/v1/jobs", headers=_headers(), timeout=10)
+        resp.raise_for_status()
+        for j in resp.json():
             console.print(f"{j['id']:<24} {j['state']:<10} steps={j['spec']['steps']} task={j['spec']['task']}")
+        if bad := resp.headers.get("x-burstrl-unreadable-jobs"):
+            console.print(f"[red]unreadable job records (not served; `burstrl delete ID` removes one):[/] {bad}")
     lost = httpx.get(f"{_api(api)}/v1/orphans", headers=_headers(), timeout=60).raise_for_status().json()
     for o in lost:
         how = "recoverable: burstrl recover" if o["recoverable"] else f"not recoverable: {o['reason']}"
@@ -244,6 +251,29 @@ def recover(
     resp.raise_for_status()
     done = resp.json()["recovered"]
     console.print(f"recovered {len(done)} job(s): {', '.join(done) or '-'}")
+
+
+@app.command()
+def delete(
+    job_id: Annotated[str, typer.Argument(help="The job to delete (cancel it first if it is live).")],
+    purge_store: Annotated[
+        bool, typer.Option(help="Also delete its policy versions and checkpoints from the object store.")
+    ] = False,
+    api: str | None = None,
+) -> None:
+    """Delete a job's Redis keys (record, streams, ledger, metrics, ...); its store artifacts stay unless asked."""
+    import httpx
+
+    resp = httpx.delete(
+        f"{_api(api)}/v1/jobs/{job_id}", params={"purge_store": purge_store}, headers=_headers(), timeout=60
+    )
+    if resp.status_code in (404, 409):
+        console.print(f"[red]{resp.json()['detail']}[/]")
+        raise typer.Exit(1)
+    resp.raise_for_status()
+    out = resp.json()
+    kept = "store artifacts kept" if out["store_kept"] else f"{out['purged_objects']} store objects deleted"
+    console.print(f"deleted [bold]{job_id}[/]: {out['deleted_keys']} Redis keys; {kept}")
 
 
 @app.command()
