@@ -138,3 +138,14 @@ def test_every_correction_reports_m2_ess_and_fractions(mode):  # noqa: ANN001
         assert 0.0 < st["mask_frac"] < 1.0  # these inputs make every mask act, but not on everything
     if mode == "none":
         assert st["ess"] == 1.0 and st["mask_frac"] == 0.0
+
+
+def test_stats_stay_finite_for_a_sampler_far_off():
+    """A token the sampler gave log-prob -100 and the trainer -1: ratio e^99, past fp32's e^88.
+    The stats (a metric point is JSON) stay finite; the loss's weight is truncated as usual."""
+    old, sampler, mask = torch.tensor([[-1.0, -1.0]]), torch.tensor([[-100.0, -1.0]]), torch.ones(1, 2)
+    logp = old.clone().requires_grad_(True)
+    loss, st = policy_loss(logp, old, torch.ones(1), mask, LossConfig(), sampler_logp=sampler)
+    st = finish(st)
+    assert all(math.isfinite(v) for v in st.values()), st
+    assert st["m2"] == pytest.approx(99.0**2 / 2) and math.isfinite(loss.item())

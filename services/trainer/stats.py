@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-# Log-ratios beyond this are clamped for the raw-ratio ESS only: e^20 is already "infinitely"
-# off-policy, and squaring e^45 would overflow fp32 (verl's SAFETY_BOUND, the same reason).
+# Log-ratios beyond this are clamped in the stats only (the raw-ratio ESS, k3): e^20 is already
+# "infinitely" off-policy, and squaring e^45 overflows fp32 (verl's SAFETY_BOUND, the same reason).
 _SAFE_LOG = 20.0
 
 # Token means the learner reduces (a fixed list: every rank must all-reduce the same vector).
@@ -76,7 +76,9 @@ def mismatch_stats(
     return {
         "m2": float(masked_mean(d * d, mask)),
         "mismatch_kl": float(masked_mean(d, mask)),
-        "mismatch_k3": float(masked_mean(torch.exp(-d) + d - 1.0, mask)),
+        # Clamped like the ESS's ratios: a metric point must stay finite JSON, even for a token
+        # the sampler found e^-90 times less likely than the trainer does.
+        "mismatch_k3": float(masked_mean(torch.exp((-d).clamp(max=_SAFE_LOG)) + d - 1.0, mask)),
         "mask_frac": float(masked_mean(masked.float(), mask)),
         "is_frac": float(masked_mean((truncated | masked).float(), mask)),
         "w_mean": float(masked_mean(w, mask)),
