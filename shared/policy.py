@@ -7,14 +7,22 @@ readers verify every file's sha256 against it before use.
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import redis
+
+from shared import keys
+from shared.fence import refusal
+from shared.lease import FENCE_CHECK, Fence, LeaseLost
 from shared.store import MANIFEST, ObjectStore, StoreError, VerificationError, get_folder, put_folder
 
 __all__ = [
     "MANIFEST",
+    "DeposedWrite",
     "Manifest",
     "ProbeMismatch",
     "VerificationError",
@@ -23,7 +31,41 @@ __all__ = [
     "latest_version",
     "make_probe",
     "publish_version",
+    "read_pointer",
+    "advance_pointer",
 ]
+
+# KEYS: the lease, the pointer. ARGV: the lease value, the version. Moves the pointer only
+# forward and only for the lease holder: 1 if it moved, 0 if not newer, -1 if the lease is lost.
+ADVANCE_LUA = (
+    FENCE_CHECK
+    + """
+local cur = tonumber(redis.call('GET', KEYS[2]) or '0')
+local v = tonumber(ARGV[2])
+if v > cur then redis.call('SET', KEYS[2], v) return 1 end
+return 0
+"""
+)
+
+
+def read_pointer(r: redis.Redis, job_id: str) -> int:
+    """The newest published policy version of a job (0: the base model, nothing published yet)."""
+    return int(r.get(keys.policy_pointer(job_id)) or 0)
+
+
+def init_pointer(pipe: redis.client.Pipeline, job_id: str) -> None:
+    """A new job starts at version 0 (the base model, no adapter); inside the api's create MULTI."""
+    pipe.set(keys.policy_pointer(job_id), 0)
+
+
+def advance_pointer(r: redis.Redis, job_id: str, version: int, fence: Fence) -> bool:
+    """Announce `version` as the newest, as the holder of `fence`'s lease (docs/architecture.md,
+    invariant 10). Never moves backwards: a resumed trainer re-announcing an older version
+    changes nothing. Returns whether the pointer moved; raises LeaseLost for a deposed trainer."""
+    moved = int(r.eval(ADVANCE_LUA, 2, fence.key, keys.policy_pointer(job_id), fence.value, int(version)))
+    if moved < 0:
+        raise LeaseLost(f"job {job_id}: lease lost; not announcing v{version}")
+    return moved == 1
 
 
 def version_prefix(job_id: str, version: int) -> str:
@@ -40,6 +82,11 @@ class Manifest:
     created_at: float = field(default_factory=time.time)
     # The log-prob probe (see `make_probe`): {"token_ids": [...], "logprobs": [...]}.
     probe: dict[str, list] = field(default_factory=dict)
+    epoch: int = 0  # the writer's lease epoch (shared/fence.py); 0: written before fencing
+
+
+class DeposedWrite(VerificationError):
+    """A version or checkpoint written by a trainer after another took its job over: never used."""
 
 
 class ProbeMismatch(VerificationError):
@@ -75,23 +122,39 @@ def check_probe(probe: dict[str, list], got: list[float], tolerance: float) -> f
     return mean
 
 
-def publish_version(store: ObjectStore, manifest: Manifest, files: dict[str, bytes]) -> str:
+def publish_version(
+    store: ObjectStore,
+    manifest: Manifest,
+    files: dict[str, bytes],
+    *,
+    before_manifest: Callable[[], None] | None = None,
+) -> str:
     """Write files, then the manifest naming their hashes. Returns the version prefix."""
     prefix = version_prefix(manifest.job_id, manifest.version)
     if store.exists(f"{prefix}/{MANIFEST}"):
         raise StoreError(f"{prefix} already exists: policy versions are immutable")
     meta = {k: v for k, v in manifest.__dict__.items() if k != "files"}
-    manifest.files = put_folder(store, prefix, files, meta)["files"]
+    manifest.files = put_folder(store, prefix, files, meta, before_manifest=before_manifest)["files"]
     return prefix
 
 
+def read_manifest(store: ObjectStore, job_id: str, version: int) -> Manifest:
+    """A version's manifest alone (no file is read or verified)."""
+    meta = json.loads(store.get(f"{version_prefix(job_id, version)}/{MANIFEST}"))
+    return Manifest(**meta)
+
+
 def fetch_version(store: ObjectStore, job_id: str, version: int, dest: Path) -> Manifest:
-    """Download a version into a fresh folder `dest`, verifying every hash."""
+    """Download a version into a fresh folder `dest`, verifying every hash and that no deposed
+    trainer wrote it (raises DeposedWrite, a VerificationError, then)."""
     meta, files = get_folder(store, version_prefix(job_id, version))
+    manifest = Manifest(**meta)
+    if why := refusal(store, job_id, "version", version, manifest.epoch):
+        raise DeposedWrite(why)
     dest.mkdir(parents=True, exist_ok=True)
     for name, data in files.items():
         (dest / name).write_bytes(data)
-    return Manifest(**meta)
+    return manifest
 
 
 def latest_version(store: ObjectStore, job_id: str) -> int:

@@ -36,7 +36,6 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import msgspec
 import redis
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -48,7 +47,7 @@ from shared.bus import Bus, Entry
 from shared.domain.envs import EnvError, load_env_plugins
 from shared.domain.tasks import task_for_job
 from shared.domain.tasks.base import total
-from shared.job import JobRecord, JobSpec, JobState, load_job, same_model
+from shared.job import JobRecord, JobSpec, JobState, UnreadableJob, load_job, same_model, update_job
 from shared.metrics import record_eval, record_point
 from shared.policy import (
     MANIFEST,
@@ -58,9 +57,10 @@ from shared.policy import (
     VerificationError,
     check_probe,
     fetch_version,
+    read_pointer,
     version_prefix,
 )
-from shared.schema import Completion, GroupMsg, PromptMsg, decode, encode, pack_f32, pack_i32, pack_u8
+from shared.schema import Completion, GroupMsg, PromptMsg, encode, pack_f32, pack_i32, pack_u8
 from shared.service import ServiceRuntime, active_job_ids
 from shared.store import ObjectStore
 
@@ -135,7 +135,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 class RolloutWorker:
     def __init__(self, rt: ServiceRuntime, settings: RolloutSettings, engine: Engine, store: ObjectStore) -> None:
         self.rt, self.s, self.engine, self.store = rt, settings, engine, store
-        self.bus = Bus(rt.redis, keys.GROUP_ROLLOUT, settings.replica, heartbeat_role="rollout")
+        self.bus = Bus(
+            rt.redis,
+            keys.GROUP_ROLLOUT,
+            settings.replica,
+            heartbeat_role="rollout",
+            claim_idle_ms=int(settings.claim_idle_s * 1000),
+        )
         self.jobs: dict[str, JobView] = {}
         self.cache = settings.data_dir / "adapters" / f"{settings.replica}-{uuid.uuid4().hex[:6]}"
         self.engine_ok = True
@@ -250,7 +256,11 @@ class RolloutWorker:
     def refresh_jobs(self) -> None:
         recs: dict[str, JobRecord] = {}
         for job_id in active_job_ids(self.rt.redis):
-            rec = load_job(self.rt.redis, job_id)
+            try:
+                rec = load_job(self.rt.redis, job_id)
+            except UnreadableJob as e:  # one bad record must not stop the other jobs
+                log.error("%s; not served", e)
+                continue
             if rec is None or not same_model(rec.spec.base_model, self.s.model):
                 continue  # another rollout pool serves other base models
             recs[job_id] = rec
@@ -320,7 +330,7 @@ class RolloutWorker:
 
     def adopt_latest(self, view: JobView) -> None:
         """Adopt the newest published version not yet refused (a few attempts per call)."""
-        pointer = int(self.rt.redis.get(keys.policy_pointer(view.rec.id)) or 0)
+        pointer = read_pointer(self.rt.redis, view.rec.id)
         attempts = 0
         for v in range(pointer, view.version, -1):
             if v in view.failed:
@@ -592,28 +602,15 @@ class RolloutWorker:
         log.error("job %s: %s", job_id, msg)
 
     def _set_job_error(self, job_id: str, error: str) -> None:
-        """Show a refusal on the job record (GET /v1/jobs/{id}); clear only errors we set.
+        """Show a refusal on the job record (GET /v1/jobs/{id}); clear only errors we set."""
 
-        Optimistic transaction (WATCH), so a concurrent state change by the api is not lost.
-        """
-        r = self.rt.redis
-        for _ in range(5):
-            try:
-                with r.pipeline(transaction=True) as pipe:
-                    pipe.watch(keys.jobs_index())
-                    raw = pipe.hget(keys.jobs_index(), job_id)
-                    if raw is None:
-                        return
-                    rec = JobRecord.model_validate_json(raw)
-                    if rec.error == error or (not error and not rec.error.startswith(JOB_ERROR_PREFIX)):
-                        return
-                    rec.error = error
-                    pipe.multi()
-                    pipe.hset(keys.jobs_index(), job_id, rec.model_dump_json())
-                    pipe.execute()
-                    return
-            except redis.WatchError:
-                continue
+        def change(rec: JobRecord) -> bool:
+            if rec.error == error or (not error and not rec.error.startswith(JOB_ERROR_PREFIX)):
+                return False
+            rec.error = error
+            return True
+
+        update_job(self.rt.redis, job_id, change)
 
     # -- leases: which version a request runs on --------------------------------------
     def _lease(self, view: JobView) -> Loaded:
@@ -812,13 +809,8 @@ class RolloutWorker:
         for job_id in {e.job_id for e in entries} & set(running):
             self.adopt_latest(running[job_id])
         todo: list[tuple[Entry, PromptMsg, JobView]] = []
-        for e in entries:
+        for e, msg in self.bus.decode(entries, PromptMsg):
             view = running.get(e.job_id)
-            try:
-                msg = decode(e.data, PromptMsg)
-            except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as err:
-                self.bus.dead_letter(e, f"undecodable prompt: {err}")
-                continue
             if view is None:
                 self.bus.dead_letter(e, "job is not served by this rollout pool")
                 continue

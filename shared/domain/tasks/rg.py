@@ -83,8 +83,16 @@ def dataset_names() -> list[str]:
     return sorted(n for n in _datasets() if n not in UNSUPPORTED)
 
 
-def _bad(msg: str) -> ValueError:
-    return ValueError(f"task_spec.args: {msg}")
+class TaskArgError(ValueError):
+    """A bad option in task_spec.args; `arg` names it (empty: the options as a whole)."""
+
+    def __init__(self, msg: str, arg: str = "") -> None:
+        super().__init__(f"task_spec.args{'.' + arg if arg else ''}: {msg}")
+        self.arg = arg
+
+
+def _bad(msg: str, arg: str = "") -> TaskArgError:
+    return TaskArgError(msg, arg)
 
 
 def _field_default(f: dataclasses.Field) -> Any:
@@ -97,16 +105,16 @@ def _field_default(f: dataclasses.Field) -> Any:
 
 def _check_json(name: str, v: Any) -> None:
     if isinstance(v, str) and len(v) > MAX_STR:
-        raise _bad(f"{name}: strings are limited to {MAX_STR} characters")
+        raise _bad(f"{name}: strings are limited to {MAX_STR} characters", name)
     if isinstance(v, bool) or v is None:
         return
     if isinstance(v, int) and abs(v) > MAX_INT:
-        raise _bad(f"{name}: {v} is out of range (|value| <= {MAX_INT})")
+        raise _bad(f"{name}: {v} is out of range (|value| <= {MAX_INT})", name)
     if isinstance(v, float) and not math.isfinite(v):
-        raise _bad(f"{name}: {v} is not a finite number")
+        raise _bad(f"{name}: {v} is not a finite number", name)
     if isinstance(v, list):
         if len(v) > MAX_LIST:
-            raise _bad(f"{name}: lists are limited to {MAX_LIST} elements")
+            raise _bad(f"{name}: lists are limited to {MAX_LIST} elements", name)
         for x in v:
             _check_json(name, x)
 
@@ -118,7 +126,7 @@ def _coerce(dataset: str, f: dataclasses.Field, hint: Any, value: Any) -> Any:
     if typing.get_origin(hint) is typing.Literal:
         choices = typing.get_args(hint)
         if value not in choices:
-            raise _bad(f"{name} must be one of {list(choices)} for rg:{dataset}, got {value!r}")
+            raise _bad(f"{name} must be one of {list(choices)} for rg:{dataset}, got {value!r}", name)
         return value
     default = _field_default(f)
     want: str | None = None
@@ -135,7 +143,7 @@ def _coerce(dataset: str, f: dataclasses.Field, hint: Any, value: Any) -> Any:
         want = "a list" if not isinstance(value, list) else None
         value = type(default)(value) if want is None else value
     if want:
-        raise _bad(f"{name} must be {want} for rg:{dataset} (default {default!r}), got {value!r}")
+        raise _bad(f"{name} must be {want} for rg:{dataset} (default {default!r}), got {value!r}", name)
     return value
 
 
@@ -156,18 +164,20 @@ def _split_options(dataset: str, options: dict[str, Any]) -> tuple[dict[str, Any
     own, config = dict(OWN_OPTIONS), {}
     for name, value in options.items():
         if name in RESERVED:
-            raise _bad(f"{name} is set by burstrl's train/held-out split (the job's `seed` seeds the prompts)")
+            raise _bad(f"{name} is set by burstrl's train/held-out split (the job's `seed` seeds the prompts)", name)
         if name in OWN_OPTIONS:
             own[name] = value
         elif name in fields:
             config[name] = _coerce(dataset, fields[name], hints.get(name), value)
         else:
-            raise _bad(f"unknown option {name!r} for rg:{dataset}; valid: {option_names(dataset)}")
+            raise _bad(f"unknown option {name!r} for rg:{dataset}; valid: {option_names(dataset)}", name)
     if own["answer_format"] not in ANSWER_FORMATS:
-        raise _bad(f"answer_format must be one of {list(ANSWER_FORMATS)}, got {own['answer_format']!r}")
+        raise _bad(
+            f"answer_format must be one of {list(ANSWER_FORMATS)}, got {own['answer_format']!r}", "answer_format"
+        )
     frac = own["heldout_fraction"]
     if isinstance(frac, bool) or not isinstance(frac, int | float) or not 0.0 < frac <= 0.5:
-        raise _bad(f"heldout_fraction must be a number in (0, 0.5], got {frac!r}")
+        raise _bad(f"heldout_fraction must be a number in (0, 0.5], got {frac!r}", "heldout_fraction")
     own["heldout_fraction"] = float(frac)
     return own, config
 
