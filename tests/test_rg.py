@@ -62,6 +62,12 @@ def test_unknown_dataset_and_options_name_the_choices() -> None:
     assert make_task("rg:simple_equations", {"operators": ["+"]}).config["operators"] == ("+",)
 
 
+def test_missing_package_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "reasoning_gym.factory", None)  # import now raises ImportError
+    with pytest.raises(KeyError, match="need the reasoning-gym package"):
+        make_task("rg:chain_sum")
+
+
 def test_our_option_names_are_no_datasets_config_field() -> None:
     from reasoning_gym.factory import DATASETS
 

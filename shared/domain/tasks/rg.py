@@ -73,8 +73,10 @@ CHECK_TIMEOUT_S = 120.0
 
 
 def _datasets() -> dict[str, tuple[type, type]]:
-    from reasoning_gym.factory import DATASETS
-
+    try:
+        from reasoning_gym.factory import DATASETS
+    except ImportError as e:  # a KeyError: the api's 422 then names `task`
+        raise KeyError(f"rg:<dataset> tasks need the reasoning-gym package (pip install reasoning-gym): {e}") from e
     return DATASETS
 
 
