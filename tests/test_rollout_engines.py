@@ -241,8 +241,8 @@ def _full_weight_checks(engine: Engine, tiny_model: Path, tmp: Path, redis_url: 
     # v3: intact weights, but the probe of other weights -> restarted on them, probed, restarted back.
     publish(store, r, job.id, 3, files_b, probe_a)
     worker.refresh_jobs()
-    assert view.version == 1 and sorted(view.failed) == [2, 3] and engine.model == v1_model
-    assert "ProbeMismatch" in view.failed[3] and "VerificationError" in view.failed[2]
+    assert view.version == 1 and sorted(view.refused) == [2, 3] and engine.model == v1_model
+    assert "ProbeMismatch" in view.refused[3].reason and "VerificationError" in view.refused[2].reason
     assert check_probe(probe_a, engine.prompt_logprobs(probe_a["token_ids"], None), 1e-3) < 1e-3  # v1 serves
     reason = http.get("/readyz").json()["checks"][f"policy:{job.id}"]["reason"]
     assert "refused" in reason and "still serving v1" in reason

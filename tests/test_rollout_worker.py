@@ -17,9 +17,11 @@ from fastapi.testclient import TestClient
 
 from bench.rollout_common import add_job, corrupt, publish
 from services.cli.launch import free_port, terminate
-from services.rollout.engine import Adapter, AdapterError, EngineError, Generation, Sample, SamplingConfig
+from services.rollout.engine import Adapter, Generation, Sample, SamplingConfig
+from services.rollout.errors import AdapterError, EngineUnavailable
+from services.rollout.evaluation import pass_at_k
 from services.rollout.settings import RolloutSettings
-from services.rollout.worker import RolloutWorker, pass_at_k
+from services.rollout.worker import RolloutWorker
 from shared import keys
 from shared.bus import FIELD
 from shared.job import load_job
@@ -86,11 +88,11 @@ class FakeEngine:
 
     def generate(self, prompts: list[str], adapters: list[Adapter | None], cfg: SamplingConfig) -> list[Generation]:
         if self.down:
-            raise EngineError("fake engine unreachable")
+            raise EngineUnavailable("fake engine unreachable")
         self.calls.append([a.name if a else None for a in adapters])
         for a in adapters:
             if a is not None and a.name not in self.loaded:  # as a restarted remote server answers
-                raise EngineError(f"remote engine lost an adapter: {a.name}")
+                raise EngineUnavailable(f"remote engine lost an adapter: {a.name}")
         # Odd-length prompts answer '3' (right for 1+2=), even ones are cut at max_tokens.
         out = []
         for p in prompts:
@@ -106,7 +108,7 @@ class FakeEngine:
 
     def check(self) -> None:
         if self.down:
-            raise EngineError("fake engine unreachable")
+            raise EngineUnavailable("fake engine unreachable")
 
     def close(self) -> None:
         pass
@@ -143,6 +145,8 @@ def env(tmp_path: Path, redis_server, r):  # noqa: ANN001, ANN201
             replica=replica,
             prompts_per_batch=3,
             eval_samples=4,
+            score_workers=0,  # threads: no scoring process to start for every test
+            refusal_recheck_s=0.0,
         )
         rt = ServiceRuntime("rollout", s)
         rt.health.set("engine", True)
@@ -159,6 +163,18 @@ def feed(r, job_id: str, n: int, prompt: str = "1+2=") -> None:  # noqa: ANN001
     r.hincrby(keys.ledger(job_id), "fed", n)
 
 
+def evaluate(w: RolloutWorker, job_id: str, timeout: float = 60.0) -> dict:
+    """Run evaluation rounds until the job's current version's result is recorded."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        w.evaluator.step(w.jobs)
+        got = w.rt.redis.hget(keys.evals(job_id), str(w.jobs[job_id].version))
+        if got is not None:
+            return json.loads(got)
+        time.sleep(0.02)
+    raise AssertionError(f"no evaluation of job {job_id} within {timeout}s")
+
+
 def test_pass_at_k() -> None:
     assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 4, 4) == 1.0
     assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
@@ -172,7 +188,7 @@ def test_drain_before_unload_and_adapter_cap(env) -> None:  # noqa: ANN001
     publish(store, r, job.id, 1, *good(1))
     w.refresh_jobs()
     view = w.jobs[job.id]
-    v1 = w._lease(view)  # a request in flight on v1
+    v1 = w.leases.take(view)  # a request in flight on v1
     publish(store, r, job.id, 2, *good(2))
     w.refresh_jobs()
     assert view.version == 2 and [x.version for x in view.retiring] == [1]
@@ -181,7 +197,7 @@ def test_drain_before_unload_and_adapter_cap(env) -> None:  # noqa: ANN001
     publish(store, r, job.id, 3, *good(3))
     w.refresh_jobs()
     assert view.version == 2
-    w._release(view, v1)  # v1 drained -> unloaded at once
+    w.leases.release(view, v1)  # v1 drained -> unloaded at once
     assert set(eng.loaded) == {f"{job.id}-policy-v2"} and v1.folder and not v1.folder.exists()
     w.refresh_jobs()
     assert view.version == 3 and set(eng.loaded) == {f"{job.id}-policy-v3"}
@@ -203,8 +219,8 @@ def test_refusals_keep_old_version_and_show_everywhere(env) -> None:  # noqa: AN
         w.refresh_jobs()
     view = w.jobs[job.id]
     assert view.version == 1 and view.loaded_adapters() == 1
-    assert sorted(view.failed) == [2, 3, 4, 5]
-    assert "v3" in view.failed[3] or "probe" in view.failed[3]
+    assert sorted(view.refused) == [2, 3, 4, 5]
+    assert view.refused[3].kind == "probe" and "ProbeMismatch" in view.refused[3].reason
     ready = http.get("/readyz")  # a job's problem, not the service's: degraded but ready
     assert ready.status_code == 200 and ready.json()["degraded"]
     assert "still serving v1" in ready.json()["checks"][f"policy:{job.id}"]["reason"]
@@ -259,7 +275,7 @@ def test_eval_pass_at_k_and_truncation_metrics(env) -> None:  # noqa: ANN001
     w, _, http = make()
     job = add_job(r, "tiny", eval_size=4, group_size=2)
     w.refresh_jobs()
-    w.evaluate_pending()
+    evaluate(w, job.id)
     (raw,) = r.hvals(keys.evals(job.id))
     ev = json.loads(raw)
     assert ev["version"] == 0 and {"pass@1", "pass@4", "mean_reward", "greedy_accuracy"} <= set(ev)
@@ -391,7 +407,7 @@ def test_full_weight_job_needs_a_pool_of_its_own(env, base_dir: str) -> None:  #
     assert "full weights" in reason and lora.id in reason and "pool of their own" in reason
     assert "pool of their own" in load_job(r, full.id).error
     assert _refused_metric(http, full.id) == "1.0"
-    assert 1 not in w.jobs[full.id].failed  # waiting, not refused for good
+    assert 1 not in w.jobs[full.id].refused  # waiting, not refused
     # ...and the LoRA job keeps being served on its adapter.
     feed(r, lora.id, 1)
     w.tick()
@@ -445,10 +461,10 @@ def test_full_weight_refusals_keep_the_previous_weights(env, base_dir: str) -> N
     for _ in range(2):
         w.refresh_jobs()
     view = w.jobs[job.id]
-    assert view.version == 1 and sorted(view.failed) == [2, 3]
+    assert view.version == 1 and sorted(view.refused) == [2, 3]
     # Newest first: v3 was switched to and back (two loads), v2 never reached the engine.
     assert len(eng.full_loads) == 3 and eng.full_loads[-1] == v1_model and eng.base_lp == [-2.0] * 3
-    assert "ProbeMismatch" in view.failed[3] and "VerificationError" in view.failed[2]
+    assert "ProbeMismatch" in view.refused[3].reason and "VerificationError" in view.refused[2].reason
     reason = http.get("/readyz").json()["checks"][f"policy:{job.id}"]["reason"]
     assert "v2 refused (hash)" in reason and "still serving v1" in reason
     text = http.get("/metrics").text
@@ -463,7 +479,7 @@ def test_engine_without_full_weights_refuses_them(env, base_dir: str) -> None:  
     publish(store, r, job.id, 1, *fake_full([-2.0, -2.0, -2.0]))
     w.refresh_jobs()
     view = w.jobs[job.id]
-    assert view.version == 0 and 1 in view.failed and eng.full_loads == []
+    assert view.version == 0 and 1 in view.refused and eng.full_loads == []
     reason = http.get("/readyz").json()["checks"][f"policy:{job.id}"]["reason"]
     assert "v1 refused (unsupported)" in reason and "in-process rollout pool" in reason
     assert "refused (unsupported)" in load_job(r, job.id).error
