@@ -13,8 +13,10 @@ and the run is made twice side by side in the same process and engine:
 - "blocking": the evaluation in one round (`eval_chunk = N`), as rollout evaluated before
   evaluation rounds existed: adoption and generation wait for the whole evaluation;
 - "rounds": the evaluation in rounds of `--eval-chunk` prompts between generation rounds.
-Reported per run: publish -> adopt of the versions published while an evaluation was in
-progress, and how long evaluations took.
+Reported per run: for each version published while an evaluation was in progress, the time
+from its publication until rollout serves it or a newer version (the blocking evaluation
+makes rollout skip the versions published meanwhile), and how long evaluations took. A
+third run without evaluation ("none") gives the floor: what a generation round costs.
 
 Usage (one engine at a time; the remote mode starts `python -m vllm.entrypoints.openai.api_server`):
     .venv/bin/python bench/rollout_sync.py                 # both modes, 12 versions each
@@ -67,9 +69,10 @@ def run_eval_mode(
     workdir.mkdir(parents=True, exist_ok=True)
     out = []
     with bench_stack(workdir) as (r, redis_url, store), bench_engine(mode, model, workdir) as (engine, _):
-        for i, (name, c) in enumerate((("blocking", size), ("rounds", chunk))):
+        # "none": no evaluation at all, the floor (what a generation round costs an adoption).
+        for i, (name, n, c) in enumerate((("none", 0, 8), ("blocking", size, size), ("rounds", size, chunk))):
             res = run_once(
-                engine, model, r, redis_url, store, workdir / f"run{i}", n_versions, interval, versions, size, c
+                engine, model, r, redis_url, store, workdir / f"run{i}", n_versions, interval, versions, n, c, True
             )
             out.append({"mode": mode, "eval": name, "eval_chunk": c, **res})
             print(json.dumps(out[-1]), flush=True)
@@ -88,6 +91,7 @@ def run_once(
     versions: list,
     eval_size: int,
     eval_chunk: int = 8,
+    serving: bool = False,
 ) -> dict:
     worker = make_worker(
         engine, model, redis_url, store, workdir, prompts_per_batch=8, eval_chunk=eval_chunk, score_workers=1
@@ -95,11 +99,15 @@ def run_once(
     job = add_job(r, model, name="sync", group_size=8, eval_size=eval_size, max_staleness=1)
     stop = threading.Event()
 
+    met_eval: set[int] = set()  # versions published while an evaluation of the job was in progress
+
     def trainer() -> None:
         for v in range(1, n_versions + 1):
             if stop.wait(interval):
                 return
             publish(store, r, job.id, v, *versions[(v - 1) % len(versions)])
+            if job.id in worker.evaluator.running:  # a dict read from another thread: fine for a bench
+                met_eval.add(v)
 
     def feeder() -> None:  # keep the engine busy: ~2 batches of prompts always waiting
         i = 0
@@ -114,12 +122,13 @@ def run_once(
     threads = [threading.Thread(target=trainer, daemon=True), threading.Thread(target=feeder, daemon=True)]
     for t in threads:
         t.start()
-    deadline = time.time() + n_versions * interval + 120
+    deadline = time.time() + n_versions * interval + (600 if eval_size else 120)
     try:
         while time.time() < deadline:
             worker.tick()
             view = worker.jobs.get(job.id)
-            if view and view.version == n_versions:
+            # With an evaluation: also until one has finished, so its duration is measured.
+            if view and view.version == n_versions and (not eval_size or r.hlen(keys.evals(job.id))):
                 break
     finally:
         stop.set()
@@ -127,15 +136,24 @@ def run_once(
             t.join(5)
     points = read_points(r, job.id, "rollout_version")
     evals = read_evals(r, job.id)
-    published = {p["version"]: read_manifest(store, job.id, p["version"]).created_at for p in points}
+    seen = met_eval | {p["version"] for p in points} | (set() if eval_size else set(range(1, n_versions + 1)))
+    published = {v: read_manifest(store, job.id, v).created_at for v in seen}
     worker.close()
     r.srem(keys.active_jobs(), job.id)  # the next run's worker must not serve this job
     adopted = [p for p in points if p["event"] == "adopted"]
     refused = [p for p in points if p["event"] == "refused"]
-    # Evaluations ran over [at - seconds, at]; a version published inside one met it.
-    spans = [(e["at"] - e["seconds"], e["at"]) for e in evals]
-    during = [p for p in adopted if any(a <= published[p["version"]] <= b for a, b in spans)]
-    lat = [p["adopt_s"] for p in (during if eval_size else adopted)]
+    if serving:
+        # Each tracked version waits until rollout serves it or a newer one (versions published
+        # meanwhile are skipped: adopting the newest is the point). Tracked: the versions
+        # published while an evaluation was in progress (all of them without evaluation).
+        tracked = sorted(met_eval) if eval_size else sorted(published)
+        served_at = sorted((published[p["version"]] + p["adopt_s"], p["version"]) for p in adopted)
+        lat = [
+            next((t for t, got in served_at if got >= v and t >= published[v]), time.time()) - published[v]
+            for v in tracked
+        ]
+    else:
+        lat = [p["adopt_s"] for p in adopted]
     out = {
         "versions_published": n_versions,
         "adopted": len(adopted),
@@ -146,7 +164,7 @@ def run_once(
         "probe_mean_diff": max((p["probe_mean_diff"] or 0.0) for p in adopted) if adopted else None,
     }
     if eval_size:
-        out["adopted_during_eval"] = len(during)  # the latencies above are these versions'
+        out["published_during_eval"] = len(met_eval)  # the latencies above: publish -> serving it or newer
         out["evals"] = len(evals)
         out["eval_s_mean"] = round(sum(e["seconds"] for e in evals) / len(evals), 2) if evals else None
     return out
@@ -159,7 +177,7 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=1.5, help="Seconds between published versions.")
     ap.add_argument("--model", default=str(MODEL))
     ap.add_argument("--eval-size", type=int, default=0, help="Held-out prompts per evaluation (0: none).")
-    ap.add_argument("--eval-chunk", type=int, default=8, help="Held-out prompts per evaluation round.")
+    ap.add_argument("--eval-chunk", type=int, default=16, help="Held-out prompts per evaluation round.")
     ap.add_argument("--json", help="Also write the results here.")
     args = ap.parse_args()
     versions = lora_versions(args.model, list(range(1, 5)))  # 4 distinct LoRAs, reused round-robin

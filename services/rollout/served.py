@@ -84,7 +84,9 @@ class ServedJob:
     def adapter_cap(self) -> int:
         """Adapters the job may hold: max_staleness + 1 for generation, plus one for the
         version an evaluation holds, so an evaluation never delays an adoption."""
-        return self.rec.spec.max_staleness + 1 + int(self.evaluating is not None)
+        return (
+            self.rec.spec.max_staleness + 1 + int(self.evaluating is not None and self.evaluating.adapter is not None)
+        )
 
 
 class Leases:

@@ -37,11 +37,12 @@ class RolloutSettings(CommonSettings):
     prompts_per_batch: int = Field(8, ge=1, description="Prompts pulled per engine call.")
     eval_samples: int = Field(4, ge=1, description="Samples per held-out prompt (pass@1 and pass@k, k = this).")
     eval_chunk: int = Field(
-        8,
+        16,
         ge=1,
         le=4096,
-        description="Held-out prompts per evaluation round. Evaluation runs in rounds between generation rounds, "
-        "so a version published meanwhile is adopted within one round of each; larger rounds batch better.",
+        description="Held-out prompts per evaluation round (each: eval_samples + 1 answers). Evaluation runs in "
+        "rounds between generation rounds, so a version published meanwhile is adopted within one round of each. "
+        "Larger rounds finish an evaluation sooner while training runs, and delay adoptions more.",
     )
     score_workers: int = Field(
         1,
