@@ -627,7 +627,8 @@ def test_evaluation_runs_in_rounds_and_never_holds_up_adoption(env) -> None:  # 
     assert view.version == 2 and ev.next == 8
     # v1 stays loaded (the evaluation holds its lease), and evaluation rounds keep using it.
     assert [x.version for x in view.retiring] == [1] and f"{job.id}-policy-v1" in eng.loaded
-    assert {f"{job.id}-policy-v1"} <= set(eng.calls[-1]) or {f"{job.id}-policy-v1"} <= set(eng.calls[-2])
+    v1, v2 = f"{job.id}-policy-v1", f"{job.id}-policy-v2"
+    assert eng.calls[-3:] == [[v1] * 4, [v1] * 4, [v2]]  # the round (sampled, greedy) on v1, generation on v2
     (_, f), *_ = r.xrange(keys.rollouts(job.id))
     assert decode(f[FIELD], GroupMsg).policy_version == 2  # generation runs on the new version
     result = evaluate(w, job.id, version=1)
@@ -644,7 +645,9 @@ def test_a_hanging_verifier_costs_its_deadline_not_the_loop(env, tmp_path: Path,
         "import time\nfrom shared.domain.verifiers import register_verifier\n"
         "@register_verifier('hang_on_prompt')\n"
         "def hang(completions, prompt='', hang='', **_):\n"
-        "    if prompt == hang:\n        time.sleep(600)\n    return [1.0] * len(completions)\n"
+        "    if prompt == hang and len(completions) > 1:  # its sampled answers, not its greedy one\n"
+        "        time.sleep(600)\n"
+        "    return [1.0] * len(completions)\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     make, store, r = env
@@ -657,15 +660,16 @@ def test_a_hanging_verifier_costs_its_deadline_not_the_loop(env, tmp_path: Path,
     from shared.job import JobSpec
 
     stuck = task_for_job(JobSpec(**spec)).heldout_items(4)[1].prompt
-    ts = {"verifiers": [{"name": "hang_on_prompt", "args": {"hang": stuck}}], "timeout_s": 2.0}
+    # A deadline no honest group misses, even with a scoring process to start on a loaded machine.
+    ts = {"verifiers": [{"name": "hang_on_prompt", "args": {"hang": stuck}}], "timeout_s": 15.0}
     job = add_job(r, "tiny", name="h", eval_size=4, group_size=2, task_spec=ts)
     w.refresh_jobs()
     w.evaluator.step(w.jobs)  # one round: all 4 prompts generated, handed to the scorer
     assert not w.evaluator.generating
     publish(store, r, job.id, 1, *good(1))
-    t0 = time.monotonic()
     w.tick()  # the loop goes on while the verifier hangs: v1 is adopted meanwhile
-    assert w.jobs[job.id].version == 1 and time.monotonic() - t0 < 2.0
+    (rnd,) = w.evaluator.running[job.id].rounds
+    assert w.jobs[job.id].version == 1 and not rnd.scores.done()
     result = evaluate(w, job.id, version=0, timeout=120)
-    assert result["score_tags"] == {"verifier!timeout": 5}  # that prompt's 4 samples and its greedy answer
-    assert result["pass@1"] == pytest.approx(0.75) and result["greedy_accuracy"] == pytest.approx(0.75)
+    assert result["score_tags"] == {"verifier!timeout": 4}  # that prompt's 4 sampled answers
+    assert result["pass@1"] == pytest.approx(0.75) and result["greedy_accuracy"] == 1.0
