@@ -50,6 +50,21 @@ def versions(tiny_model: Path) -> dict[str, tuple[dict[str, bytes], dict]]:
     return {name: lora_version(str(tiny_model), seed) for name, seed in (("a", 1), ("b", 2), ("c", 3))}
 
 
+def _worker(engine: Engine, tiny_model: Path, tmp: Path, redis_url: str, **settings: object):  # noqa: ANN202
+    s = RolloutSettings(
+        model=str(tiny_model),
+        redis_url=redis_url,
+        store_url=f"file://{tmp / 'store'}",
+        dev=True,
+        data_dir=tmp,
+        **settings,
+    )
+    rt = ServiceRuntime("rollout", s)
+    rt.health.set("engine", True)
+    store = FileStore(tmp / "store")
+    return RolloutWorker(rt, s, engine, store), store, TestClient(rt.app)
+
+
 def _generation_checks(engine: Engine, tiny_model: Path, tmp: Path, versions: dict) -> None:
     files, probe = versions["a"]
     folder = tmp / "gen-policy-v1"
@@ -92,14 +107,7 @@ def _generation_checks(engine: Engine, tiny_model: Path, tmp: Path, versions: di
 
 
 def _adoption_checks(engine: Engine, tiny_model: Path, tmp: Path, redis_url: str, r, versions: dict) -> None:  # noqa: ANN001
-    settings = RolloutSettings(
-        model=str(tiny_model), redis_url=redis_url, store_url=f"file://{tmp / 'store'}", dev=True, data_dir=tmp
-    )
-    rt = ServiceRuntime("rollout", settings)
-    rt.health.set("engine", True)
-    store = FileStore(tmp / "store")
-    worker = RolloutWorker(rt, settings, engine, store)
-    http = TestClient(rt.app)
+    worker, store, http = _worker(engine, tiny_model, tmp, redis_url)
     job = add_job(r, str(tiny_model), group_size=2, max_staleness=1, eval_size=0)
 
     publish(store, r, job.id, 1, *versions["a"])
@@ -153,21 +161,6 @@ def _adoption_checks(engine: Engine, tiny_model: Path, tmp: Path, redis_url: str
     assert [p["version"] for p in adopted] == [1, 4] and all(p["probe_mean_diff"] < 1e-3 for p in adopted)
     assert "burstrl_rollout_adopt_seconds_count 2.0" in http.get("/metrics").text
     worker.close()
-
-
-def _worker(engine: Engine, tiny_model: Path, tmp: Path, redis_url: str, **settings: object):  # noqa: ANN202
-    s = RolloutSettings(
-        model=str(tiny_model),
-        redis_url=redis_url,
-        store_url=f"file://{tmp / 'store'}",
-        dev=True,
-        data_dir=tmp,
-        **settings,
-    )
-    rt = ServiceRuntime("rollout", s)
-    rt.health.set("engine", True)
-    store = FileStore(tmp / "store")
-    return RolloutWorker(rt, s, engine, store), store, TestClient(rt.app)
 
 
 def _repair_checks(engine: Engine, tiny_model: Path, tmp: Path, redis_url: str, r, versions: dict) -> None:  # noqa: ANN001
@@ -278,14 +271,7 @@ def _full_weight_checks(engine: Engine, tiny_model: Path, tmp: Path, redis_url: 
 
     from services.trainer.policy import load_full_weights, load_policy
 
-    settings = RolloutSettings(
-        model=str(tiny_model), redis_url=redis_url, store_url=f"file://{tmp / 'store'}", dev=True, data_dir=tmp
-    )
-    rt = ServiceRuntime("rollout", settings)
-    rt.health.set("engine", True)
-    store = FileStore(tmp / "store")
-    worker = RolloutWorker(rt, settings, engine, store)
-    http = TestClient(rt.app)
+    worker, store, http = _worker(engine, tiny_model, tmp, redis_url)
     job = add_job(r, str(tiny_model), group_size=4, eval_size=0, sampling={"temperature": 1.0, "max_tokens": 6})
     files_a, probe_a = versions["a"]
     assert "adapter_config.json" not in files_a and "model.safetensors" in files_a
@@ -391,18 +377,7 @@ class TestRemote:
 
     def test_full_weights_refused(self, remote_engine, tiny_model, tmp_path, redis_server, r, full_versions) -> None:  # noqa: ANN001
         """A remote server's base weights cannot be swapped from the client: refused, still serving."""
-        settings = RolloutSettings(
-            model=str(tiny_model),
-            redis_url=redis_server.url,
-            store_url=f"file://{tmp_path / 'store'}",
-            dev=True,
-            data_dir=tmp_path,
-        )
-        rt = ServiceRuntime("rollout", settings)
-        rt.health.set("engine", True)
-        store = FileStore(tmp_path / "store")
-        worker = RolloutWorker(rt, settings, remote_engine, store)
-        http = TestClient(rt.app)
+        worker, store, http = _worker(remote_engine, tiny_model, tmp_path, redis_server.url)
         job = add_job(r, str(tiny_model), group_size=2, eval_size=0)
         publish(store, r, job.id, 1, *full_versions["a"])
         worker.refresh_jobs()

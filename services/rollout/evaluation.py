@@ -127,6 +127,9 @@ class Evaluator:
             log.exception("job %s: no held-out items", view.id)
             self._give_up(view.id, v, "no held-out items")
             return
+        if not items:
+            self._give_up(view.id, v, f"its task has no held-out items (eval_size {spec.eval_size})")
+            return
         lease = self.leases.take(view)
         view.evaluating = lease
         self.running[view.id] = Evaluation(view, v, lease, items, self.s.eval_samples)
@@ -197,6 +200,7 @@ class Evaluator:
 
     def _finish(self, ev: Evaluation) -> None:
         del self.running[ev.view.id]
+        self._release(ev)  # given back after its last round already; never left held
         try:
             result = self._result(ev)
         except Exception:  # a bug in scoring: counted and logged, and the loop goes on

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from prometheus_client import Counter, Gauge
@@ -116,14 +116,9 @@ class Generator:
         def call(part: list[Todo]) -> list[tuple[ServedVersion, Generation]]:
             return self.leases.generate([(m.prompt, v) for _, m, v in part], cfg)
 
-        results = isolate(batch, call)
         now = time.time()
         units: list[Unit] = []
-        for (e, msg, _), res in zip(batch, results, strict=True):
-            if isinstance(res, RequestFailed):
-                self._failed(e, res)
-                continue
-            loaded, gen = res
+        for e, msg, (loaded, gen) in self._produced(batch, isolate(batch, call)):
             group = GroupMsg(
                 job_id=msg.job_id,
                 group_id=msg.group_id,
@@ -166,11 +161,7 @@ class Generator:
             self.rt.health.set("env", True)
         now = time.time()
         units: list[Unit] = []
-        for (e, msg, _), res in zip(batch, results, strict=True):
-            if isinstance(res, RequestFailed):
-                self._failed(e, res)
-                continue
-            loaded, eps = res
+        for e, msg, (loaded, eps) in self._produced(batch, results):
             for ep in eps:
                 self.m_env_turns.inc(ep.turns)
                 self.m_env_tools.inc(ep.tool_calls)
@@ -196,11 +187,17 @@ class Generator:
         return [t for t in batch if t[2].id not in bad]
 
     # -- bookkeeping -----------------------------------------------------------------
-    def _failed(self, e: Entry, err: RequestFailed) -> None:
-        """No group for this prompt: redone (it stays pending) or, after max deliveries, dead-lettered."""
-        reason = f"engine: {type(err).__name__}: {err}"
-        if not self.bus.redo_or_dead_letter(e, reason):
-            log.warning("job %s: prompt %s produced no group (%s); it will be redone", e.job_id, e.id, reason)
+    def _produced(self, batch: list[Todo], results: list[R | RequestFailed]) -> Iterator[tuple[Entry, PromptMsg, R]]:
+        """The (entry, prompt, result) of each prompt that has a result. One whose request
+        failed has no group: it is redone (it stays pending) or, after max deliveries,
+        dead-lettered with the reason."""
+        for (e, msg, _), res in zip(batch, results, strict=True):
+            if not isinstance(res, RequestFailed):
+                yield e, msg, res
+                continue
+            reason = f"engine: {type(res).__name__}: {res}"
+            if not self.bus.redo_or_dead_letter(e, reason):
+                log.warning("job %s: prompt %s produced no group (%s); it will be redone", e.job_id, e.id, reason)
 
     def _count(self, stats: dict, job_id: str, tokens: list[int], finish: list[str]) -> None:
         n = sum(tokens)

@@ -155,8 +155,7 @@ class Leases:
         self, batch: list[tuple[str, dict[str, str], ServedJob]], cfg: SamplingConfig, n: int
     ) -> list[tuple[ServedVersion, list[Episode]]]:
         """n multi-turn episodes per (prompt, fields, job), on the version current at submission."""
-        specs = [(p, f, view.rec.spec) for p, f, view in batch]
-        groups = [self.new_episodes(p, f, spec, cfg, n) for p, f, spec in specs]  # EnvError before any lease
+        groups = [self.new_episodes(p, f, view.rec.spec, cfg, n) for p, f, view in batch]  # EnvError: before leases
         leases = [(view, self.take(view)) for _, _, view in batch]
         try:
             self.run_on([(x, eps) for (_, x), eps in zip(leases, groups, strict=True)], n)
