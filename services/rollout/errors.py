@@ -2,15 +2,19 @@
 
 | error | raised when | what rollout does |
 |---|---|---|
-| EngineUnavailable | the engine is not built, unreachable, died, or refuses our credentials | not ready with the reason; entries stay pending; retried |
+| EngineUnavailable | the engine is not built, unreachable, died, or refuses our credentials | not ready, with the reason; entries stay pending; retried |
 | AdapterError | the engine refuses a version's adapter or full weights | the version is refused ("load") |
-| RequestFailed | one request of an engine call cannot be used: | that prompt's group is not produced; the prompt is |
-|   EngineRequestRefused | the engine refused it (a remote 4xx, a prompt vLLM rejects) | redone, and dead-lettered with this reason after |
-|   MissingLogprob | the answer lacks a sampled token's log-prob | max deliveries; during adoption: refused ("engine") |
+| EngineRequestRefused (a RequestFailed) | the engine refuses one request (a remote 4xx, a prompt vLLM rejects) | see below |
+| MissingLogprob (a RequestFailed) | the engine answers without a sampled token's log-prob | see below |
 | ManifestError | a version's manifest is missing or malformed | the version is refused ("manifest") |
 | VerificationError | a file's sha256 differs from its manifest | refused ("hash") |
 | DeposedWrite | a trainer wrote the version after losing its job | refused ("deposed") |
 | ProbeMismatch | the engine's log-probs under the version differ from the trainer's | refused ("probe") |
+| UnsupportedVersion | full weights for an engine that cannot load them | refused ("unsupported") |
+
+A RequestFailed in a generation round produces no group for that prompt (the others of the
+call are produced): the prompt is redone, and dead-lettered with the reason after the bus's
+max deliveries. During adoption (the probe) it refuses the version ("engine").
 
 A refusal lasts as long as the version's manifest does: a republished version (a new
 manifest) is tried again. Anything else, a ValueError or KeyError included, is a bug: it
