@@ -53,14 +53,25 @@ def record_takeover(store: ObjectStore, job_id: str, epoch: int, owner: str, *, 
     store.put(takeover_key(job_id, epoch), json.dumps(t).encode())
 
 
+def _epochs(store: ObjectStore, job_id: str) -> dict[int, str]:
+    out = {}
+    for key in store.list(fence_prefix(job_id)):
+        name = key.rsplit("/", 1)[-1]
+        if name.startswith("e") and name.endswith(".json") and name[1:-5].isdigit():
+            out[int(name[1:-5])] = key
+    return out
+
+
+def max_epoch(store: ObjectStore, job_id: str) -> int:
+    """The highest lease epoch any trainer of the job recorded (0: none)."""
+    return max(_epochs(store, job_id), default=0)
+
+
 def takeovers_after(store: ObjectStore, job_id: str, epoch: int) -> list[Takeover]:
     """Takeover records of epochs above `epoch`, oldest first."""
     out = []
-    for key in store.list(fence_prefix(job_id)):
-        name = key.rsplit("/", 1)[-1]
-        if not (name.startswith("e") and name.endswith(".json") and name[1:-5].isdigit()):
-            continue
-        if int(name[1:-5]) <= epoch:
+    for e, key in sorted(_epochs(store, job_id).items()):
+        if e <= epoch:
             continue
         try:
             raw = json.loads(store.get(key))

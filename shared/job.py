@@ -11,16 +11,27 @@ import re
 import time
 from collections.abc import Callable
 from enum import StrEnum
-from typing import Literal, Self
+from typing import Annotated, Literal, Self
 
 import redis
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from shared import keys
 from shared.domain.envs.spec import EnvSpec
 from shared.domain.tasks.spec import TaskSpec
+from shared.limits import (
+    MODEL_REF_MAX,
+    SEED_MAX,
+    STOP_MAX_CHARS,
+    STOP_MAX_ITEMS,
+    TIS_CAP_MAX,
+    ModelRef,
+    Name,
+    SpecModel,
+)
 
 JOB_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,47}$")
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=STOP_MAX_CHARS)]
 
 
 class JobState(StrEnum):
@@ -32,27 +43,20 @@ class JobState(StrEnum):
     failed = "failed"
 
 
-class SamplingSpec(BaseModel):
+class SamplingSpec(SpecModel):
     """How rollout samples. Temperature 1 keeps sampler log-probs exact (see docs/architecture.md, "Weight sync")."""
-
-    model_config = ConfigDict(extra="forbid")
 
     temperature: float = Field(1.0, gt=0.0, le=2.0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     max_tokens: int = Field(8, ge=1, le=8192, description="Completion length cap.")
-    stop: list[str] = Field(
-        default_factory=list, max_length=16, description="Stop strings (not included in the completion)."
+    stop: list[StopString] = Field(
+        default_factory=list,
+        max_length=STOP_MAX_ITEMS,
+        description="Stop strings, matched literally (not patterns); not included in the completion.",
     )
 
-    @field_validator("stop")
-    @classmethod
-    def _stop_non_empty(cls, v: list[str]) -> list[str]:
-        if any(not s or len(s) > 64 for s in v):
-            raise ValueError("each stop string must be 1..64 characters")
-        return v
 
-
-class AlgorithmSpec(BaseModel):
+class AlgorithmSpec(SpecModel):
     """The trainer's algorithm choices. Defaults reproduce the original GRPO recipe.
 
     The top-level kl_coef / clip_low / clip_high / tis_cap fields of JobSpec stay where
@@ -109,19 +113,18 @@ class AlgorithmSpec(BaseModel):
     )
 
 
-class JobSpec(BaseModel):
+class JobSpec(SpecModel):
     """A GRPO training job. Field docs are served in the OpenAPI schema."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field("job", description="Lowercase name, [a-z0-9-], used in job ids.")
-    base_model: str = Field(
+    name: str = Field("job", max_length=48, description="Lowercase name, [a-z0-9-], used in job ids.")
+    base_model: ModelRef = Field(
         ...,
         min_length=1,
-        description="Hub id or local path of the base model; the reference when training LoRA.",
+        description=f"Hub id or local path of the base model (at most {MODEL_REF_MAX} characters); the reference "
+        "when training LoRA.",
     )
-    task: str = Field("arith", description="Registered task name (prompt source + verifier).")
-    verifier: str = Field("", description="Verifier override; empty uses the task's own.")
+    task: Name = Field("arith", description="Registered task name (prompt source + verifier).")
+    verifier: Name = Field("", description="Verifier override; empty uses the task's own.")
     task_spec: TaskSpec = Field(default_factory=TaskSpec, description="Prompt source, template, weighted verifiers.")
     group_size: int = Field(8, ge=2, le=256, description="Completions per prompt (G).")
     batch_size: int = Field(8, ge=1, le=4096, description="Groups per optimizer step.")
@@ -130,18 +133,18 @@ class JobSpec(BaseModel):
     lora_rank: int = Field(16, ge=1, le=256, description="LoRA rank (vLLM supports 8..256).")
     lora_alpha: int = Field(32, ge=1, le=1024, description="LoRA alpha.")
     kl_coef: float = Field(0.0, ge=0.0, le=10.0, description="KL-to-reference weight; 0 skips ref.")
-    teacher: str = Field(
+    teacher: ModelRef = Field(
         "",
         description="Hub id or local path of a teacher (same tokenizer as base_model) that replaces base_model as "
         "the reference: algorithm.advantage='distill' distills from it, kl_coef > 0 regularises toward it.",
     )
     clip_low: float = Field(0.2, ge=0.0, le=1.0, description="PPO clip below 1 (epsilon_low).")
     clip_high: float = Field(0.28, ge=0.0, le=10.0, description="PPO clip above 1 (DAPO).")
-    tis_cap: float = Field(2.0, ge=1.0, description="Truncated importance-sampling cap.")
+    tis_cap: float = Field(2.0, ge=1.0, le=TIS_CAP_MAX, description="Truncated importance-sampling cap.")
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     max_staleness: int = Field(1, ge=0, le=64, description="Max policy versions a sample may lag.")
     eval_size: int = Field(64, ge=0, le=100_000, description="Held-out prompts per evaluation.")
-    seed: int = Field(0, ge=0, description="Seeds prompt order and the trainer.")
+    seed: int = Field(0, ge=0, le=SEED_MAX, description="Seeds prompt order and the trainer (0 .. 2**32 - 1).")
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     env: EnvSpec = Field(
         default_factory=EnvSpec,
@@ -153,6 +156,18 @@ class JobSpec(BaseModel):
     def _name_is_slug(cls, v: str) -> str:
         if not JOB_NAME_RE.match(v):
             raise ValueError("name must match [a-z0-9][a-z0-9-]{0,47} (lowercase, digits, '-')")
+        return v
+
+    @field_validator("base_model", "teacher")
+    @classmethod
+    def _model_ref(cls, v: str) -> str:
+        # Stages load these from the Hugging Face cache or a local folder, never over the
+        # network at run time: a URL could never load, and control characters (a newline)
+        # are in no hub id or sane path.
+        if "://" in v:
+            raise ValueError("a hub id (org/name) or a local path, not a URL")
+        if any(ord(c) < 32 or ord(c) == 127 for c in v):
+            raise ValueError("control characters (newlines, tabs, ...) are in no hub id or model path")
         return v
 
     @model_validator(mode="after")

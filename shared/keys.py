@@ -30,6 +30,11 @@ GROUP_REF = "ref"
 GROUP_TRAINER = "trainer"
 
 
+def dataset() -> str:
+    """String (JSON): the identity of this Redis dataset (shared/dataset.py): {id, created_at, supersedes}."""
+    return f"{PREFIX}:dataset"
+
+
 def jobs_index() -> str:
     """Hash job_id -> JobRecord JSON (the api's durable job table)."""
     return f"{PREFIX}:jobs"
@@ -112,6 +117,14 @@ def service(role: str, replica: str) -> str:
 
 def service_pattern() -> str:
     return f"{PREFIX}:svc:*"
+
+
+def job_key_pattern(job_id: str) -> str:
+    """SCAN pattern matching every per-job key of `job_id` (they all have job_of_stream's shape).
+
+    Glob characters in the id are escaped, so the pattern never reaches another job's keys."""
+    escaped = "".join(f"\\{c}" if c in "*?[]\\" else c for c in job_id)
+    return f"{PREFIX}:{escaped}:*"
 
 
 def job_of_stream(stream: str) -> str:

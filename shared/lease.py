@@ -32,11 +32,14 @@ from shared import keys
 
 log = logging.getLogger(__name__)
 
-# KEYS: lease, epoch counter. ARGV: token, ttl ms. Returns the epoch if we hold the lease now
-# (taken now: a new epoch; already ours: its epoch), else nil.
+# KEYS: lease, epoch counter. ARGV: token, ttl ms, floor. Returns the epoch if we hold the
+# lease now (taken now: a new epoch above `floor`; already ours: its epoch), else nil.
 ACQUIRE_LUA = """
 local cur = redis.call('GET', KEYS[1])
 if not cur then
+  if tonumber(redis.call('GET', KEYS[2]) or '0') < tonumber(ARGV[3]) then
+    redis.call('SET', KEYS[2], ARGV[3])
+  end
   local epoch = redis.call('INCR', KEYS[2])
   redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. epoch, 'PX', ARGV[2])
   return epoch
@@ -104,9 +107,14 @@ class Lease:
             raise LeaseLost(f"job {self.job_id}: lease not held")
         return Fence(self.key, self.value, self.epoch)
 
-    def acquire(self) -> bool:
-        """Take the lease if it is free (or already ours). Sets `epoch` on success."""
-        got = self._acquire(keys=[self.key, keys.trainer_epoch(self.job_id)], args=[self.token, self.ttl_ms])
+    def acquire(self, *, floor: int = 0) -> bool:
+        """Take the lease if it is free (or already ours). Sets `epoch` on success.
+
+        `floor`: the highest epoch any holder is known to have used (the store's takeover
+        records): a Redis that lost its counter must not hand out an epoch again."""
+        got = self._acquire(
+            keys=[self.key, keys.trainer_epoch(self.job_id)], args=[self.token, self.ttl_ms, int(floor)]
+        )
         if got is None:
             return False
         self.epoch = int(got)

@@ -126,11 +126,16 @@ class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
     reasons: dict[str, str] = {}
     at: float
     # Gauges some roles add: rollout and trainer the policy version they serve per job;
-    # reward whether code rewards can run; ref which model and engine it scores with.
+    # reward whether code rewards can run; ref which model and engine it scores with;
+    # rollout its base model and context length (the api refuses a job whose
+    # sampling.max_tokens cannot fit it; 0: not advertised).
     policy_versions: dict[str, int] = {}
+    dataset: str = ""  # the Redis dataset id this replica started on (shared/dataset.py)
     sandbox: str = ""
     ref_model: str = ""
     ref_engine: str = ""
+    rollout_model: str = ""
+    max_model_len: int = 0
 
 
 # Top level flat (one series per key); a value may be a small dict or list (histograms, parts).

@@ -37,6 +37,7 @@ class ObjectStore(Protocol):
     def get(self, key: str) -> bytes: ...
     def exists(self, key: str) -> bool: ...
     def list(self, prefix: str) -> list[str]: ...
+    def list_dirs(self, prefix: str) -> list[str]: ...
     def delete(self, key: str) -> None: ...
 
 
@@ -54,8 +55,14 @@ class FileStore:
 
     def put(self, key: str, data: bytes) -> None:
         p = self._path(key)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tmp-")
+        for attempt in range(3):  # a concurrent delete may remove the folder it just emptied
+            p.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tmp-")
+                break
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -83,8 +90,24 @@ class FileStore:
             str(p.relative_to(self.root)) for p in base.rglob("*") if p.is_file() and not p.name.startswith(".tmp-")
         )
 
+    def list_dirs(self, prefix: str) -> list[str]:
+        """Names one level below `prefix` (a folder, ending in '/') that hold objects."""
+        base = self._path(prefix) if prefix.strip("/") else self.root
+        if not base.is_dir():
+            return []
+        return sorted(p.name for p in base.iterdir() if p.is_dir() and not p.name.startswith(".tmp-"))
+
     def delete(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
+        p = self._path(key)
+        p.unlink(missing_ok=True)
+        # Like S3, a folder exists only while it holds objects: remove the ones left empty.
+        for parent in p.parents:
+            if parent == self.root or self.root not in parent.parents:
+                break
+            try:
+                parent.rmdir()
+            except OSError:  # not empty (or already gone)
+                break
 
 
 class S3Store:
@@ -132,6 +155,15 @@ class S3Store:
         pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._k(prefix))
         for page in pages:
             out.extend(o["Key"][strip:] for o in page.get("Contents", []))
+        return sorted(out)
+
+    def list_dirs(self, prefix: str) -> list[str]:
+        """Names one level below `prefix` (ending in '/'), from S3's common prefixes: no full listing."""
+        out: list[str] = []
+        want = self._k(prefix)
+        pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=want, Delimiter="/")
+        for page in pages:
+            out.extend(p["Prefix"][len(want) :].strip("/") for p in page.get("CommonPrefixes", []))
         return sorted(out)
 
     def delete(self, key: str) -> None:

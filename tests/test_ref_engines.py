@@ -19,6 +19,7 @@ from bench.rollout_common import wait_vllm_server
 from services.cli.launch import free_port, terminate
 from services.ref.engine import HFScorer, RefScorer, Rejected, Seq, build_scorer
 from services.ref.settings import RefSettings
+from tests.conftest import FP32_LOGPROB_TOL
 
 pytestmark = pytest.mark.slow
 TOL = 1e-4  # max |difference| per token between engines (fp32 everywhere)
@@ -58,7 +59,7 @@ def _agree(scorer: RefScorer, seqs: list[Seq], want: list[list[float]]) -> float
 def test_hf_batching_does_not_change_numbers(tiny_model: Path, seqs: list[Seq], hf_logprobs) -> None:  # noqa: ANN001
     one_by_one = [HFScorer(str(tiny_model)).score([s])[0] for s in seqs[:3]]
     for a, b in zip(one_by_one, hf_logprobs[:3], strict=True):
-        assert a == pytest.approx(b, abs=1e-5)
+        assert a == pytest.approx(b, **FP32_LOGPROB_TOL)
 
 
 @pytest.fixture(scope="class")

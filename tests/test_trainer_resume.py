@@ -24,7 +24,8 @@ from safetensors.torch import load
 
 from services.cli.launch import free_port
 from services.trainer.checkpoint import checkpoint_steps, load_checkpoint
-from services.trainer.loop import JobTrainer, claim_job
+from services.trainer.claim import claim_job
+from services.trainer.loop import JobTrainer
 from services.trainer.policy import ADAPTER_WEIGHTS
 from services.trainer.settings import TrainerSettings
 from shared import keys
@@ -346,7 +347,7 @@ def test_a_trainer_stalled_past_its_lease_can_never_publish(r, tmp_path, model_d
     """Trainer A checks its lease before writing v3's manifest, then stalls past its TTL; B takes
     the job over; A's late manifest lands. No reader may use it, A can neither move the pointer
     nor acknowledge, and B ends with exactly the uninterrupted run's weights and ledger."""
-    import services.trainer.loop as loop_mod
+    import services.trainer.publishing as loop_mod
     from shared.fence import takeovers_after
     from shared.policy import DeposedWrite, fetch_version, read_manifest, read_pointer
 
@@ -497,5 +498,19 @@ def test_sigstopped_trainer_is_deposed_and_the_job_counts_each_group_once(r, tmp
     led = read_ledger(r, JOB)
     assert led["trained"] == steps * BATCH and led["in_flight"] == 0, led
     assert latest_version(run.store, JOB) == steps
-    for v in range(1, steps + 1):  # every version a reader would adopt is fence-valid
+    from services.trainer.retention import stored_versions
+
+    for v in stored_versions(run.store, JOB):  # every version a reader would adopt is fence-valid
         fetch_version(run.store, JOB, v, tmp_path / f"v{v}")
+
+
+def test_each_session_reports_its_billable_time_steps_and_lag(r, tmp_path, model_dir):
+    """The burst timeline's data: a start and an end point per session, the end with what was trained."""
+    run = Run(r, tmp_path, model_dir, checkpoint_every=2)
+    run.trainer().run()
+    start, end = read_points(r, JOB, "trainer_session")
+    assert (start["event"], end["event"]) == ("start", "end")
+    assert end["steps"] == STEPS and end["groups"] == STEPS * BATCH and end["first_step"] == 0
+    assert end["epoch"] == start["epoch"] == 1
+    assert 0 <= end["startup_s"] <= end["billable_s"] and end["lag_mean"] >= 0
+    assert sum(end["lag_hist"].values()) == STEPS * BATCH

@@ -18,7 +18,7 @@ import redis
 from shared import keys
 from shared.bus import FIELD, trim_job
 from shared.domain.tasks import TaskItem, task_for_job
-from shared.job import JobRecord, JobState, load_job, update_job
+from shared.job import JobRecord, JobState, UnreadableJob, load_job, update_job
 from shared.metrics import read_evals, read_ledger
 from shared.policy import read_pointer
 from shared.schema import PromptMsg, encode
@@ -34,6 +34,7 @@ class Feeder:
         self._trimmed_at: dict[str, float] = {}
         self._cursors: dict[bytes, bytes] = {}  # metrics stream -> last id seen (for `wait`)
         self._active: list[str] = []  # the active jobs as of the last tick
+        self._unreadable: set[str] = set()  # jobs whose record could not be read (said once each)
 
     def _items(self, rec: JobRecord, fed: int) -> Iterator[TaskItem]:
         pos, it = self._iters.get(rec.id, (-1, iter(())))
@@ -51,6 +52,13 @@ class Feeder:
                 self._trim(job_id)
             except redis.ConnectionError:
                 raise  # the whole api is not ready: let ServiceRuntime.survive say so
+            except UnreadableJob as e:
+                # Not fed (no stage serves it); said once, not every tick. GET /v1/dashboard lists
+                # it under `unreadable`, and DELETE /v1/jobs/{id} removes it.
+                if job_id not in self._unreadable:
+                    self._unreadable.add(job_id)
+                    log.error("%s; not fed", e)
+                self._iters.pop(job_id, None)
             except Exception:
                 # One broken job (say, a task whose prompt source raises) must not starve
                 # every job after it in the set.

@@ -27,7 +27,7 @@ from services.ref.engine import RefScorer, Rejected, ScorerUnavailable, Seq, val
 from services.ref.settings import RefSettings
 from shared import keys
 from shared.bus import Bus, Entry
-from shared.job import JobSpec, load_job, same_model
+from shared.job import JobSpec, UnreadableJob, load_job, same_model
 from shared.metrics import record_point
 from shared.schema import GroupMsg, encode, pack_f32, unpack_f32, unpack_i32, unpack_u8
 from shared.service import ServiceRuntime, active_job_ids
@@ -77,7 +77,7 @@ def vocab_mismatch(base: Vocab, ref: Vocab) -> str:
 
 
 @dataclass
-class JobView:
+class RefJobView:
     spec: JobSpec
     served: bool  # this replica's model is the job's reference
     mismatch: str = ""  # non-empty: why this job's groups cannot be scored here (tokenizer)
@@ -97,8 +97,15 @@ class JobBatchStats:
 class RefWorker:
     def __init__(self, rt: ServiceRuntime, settings: RefSettings, scorer: RefScorer) -> None:
         self.rt, self.settings, self.scorer = rt, settings, scorer
-        self.bus = Bus(rt.redis, keys.GROUP_REF, settings.replica, heartbeat_role="ref")
-        self.jobs: dict[str, JobView] = {}
+        self.bus = Bus(
+            rt.redis,
+            keys.GROUP_REF,
+            settings.replica,
+            heartbeat_role="ref",
+            claim_idle_ms=int(settings.claim_idle_s * 1000),
+        )
+        self.jobs: dict[str, RefJobView] = {}
+        self._unreadable: set[str] = set()  # jobs whose record could not be read
         self.held: list[Entry] = []  # a batch the engine could not score yet (retried first)
         self._vocab: dict[str, Vocab | str] = {}  # model -> Vocab, or why it could not be loaded
         reg = rt.registry
@@ -115,15 +122,21 @@ class RefWorker:
         rt.gauges["ref_engine"] = scorer.mode
 
     # -- which jobs ------------------------------------------------------------------
-    def _view(self, job_id: str) -> JobView | None:
+    def _view(self, job_id: str) -> RefJobView | None:
         view = self.jobs.get(job_id)
         if view is None:
-            rec = load_job(self.rt.redis, job_id)
+            try:
+                rec = load_job(self.rt.redis, job_id)
+            except UnreadableJob as e:  # one bad record must not stop the other jobs' scoring
+                if job_id not in self._unreadable:  # said once, not every tick
+                    self._unreadable.add(job_id)
+                    log.error("%s; not served", e)
+                return None
             if rec is None:
                 return None
             spec = rec.spec  # immutable once accepted: cached for the job's life
             served = spec.uses_ref and same_model(spec.reference_model, self.settings.model)
-            view = JobView(spec, served, self._tokenizer_check(spec) if served else "")
+            view = RefJobView(spec, served, self._tokenizer_check(spec) if served else "")
             self.jobs[job_id] = view
             if served and view.mismatch:
                 log.error("job %s: %s", job_id, view.mismatch)

@@ -13,7 +13,7 @@ from shared.bus import Bus, Entry
 from shared.domain.scoring import group_work
 from shared.domain.tasks.base import total
 from shared.domain.verifiers import split_parts
-from shared.job import JobRecord, load_job
+from shared.job import JobRecord, UnreadableJob, load_job
 from shared.metrics import record_point
 from shared.schema import GroupMsg, encode
 
@@ -77,14 +77,17 @@ class JobStats:
 def handle(bus: Bus, entries: list[Entry], scorer: Scorer, on_tags: Any = None) -> int:
     """Score a batch of entries (in parallel); each is forwarded (or dead-lettered) atomically."""
     t0 = time.monotonic()
-    jobs: dict[str, JobRecord | None] = {}
+    jobs: dict[str, JobRecord | str] = {}  # job id -> its record, or why there is none
     todo: list[tuple[Entry, GroupMsg, JobRecord]] = []
     for e, group in bus.decode(entries, GroupMsg):
         if e.job_id not in jobs:
-            jobs[e.job_id] = load_job(bus.r, e.job_id)
+            try:
+                jobs[e.job_id] = load_job(bus.r, e.job_id) or f"unknown job {e.job_id}"
+            except UnreadableJob as err:  # one bad record must not fail the batch of the others
+                jobs[e.job_id] = str(err)
         rec = jobs[e.job_id]
-        if rec is None:
-            bus.dead_letter(e, f"unknown job {e.job_id}")
+        if isinstance(rec, str):
+            bus.dead_letter(e, rec)
             continue
         if group.stage != "rolled":
             bus.dead_letter(e, f"group at stage {group.stage!r}, expected 'rolled'")

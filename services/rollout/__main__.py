@@ -38,7 +38,21 @@ def build_engine(s: RolloutSettings) -> Engine:
         max_loras=s.max_loras,
         dtype=s.dtype,
         seed=s.seed,
+        **s.engine_kwargs(),
     )
+
+
+def engine_context(s: RolloutSettings, engine: Engine) -> int:
+    """The engine's context length: the setting in-process; a remote server's if it says (vLLM's
+    /v1/models lists max_model_len), else 0 (unknown: the api accepts and warns)."""
+    if s.engine != "remote":
+        return s.max_model_len
+    try:
+        cards = engine.base_models()  # type: ignore[attr-defined]
+        served = [m for m in cards if m.get("id") == getattr(engine, "served_model", None)] or cards
+        return max((int(m.get("max_model_len") or 0) for m in served), default=0)
+    except Exception:  # noqa: BLE001 - an older server or an odd reply: unknown, not fatal
+        return 0
 
 
 def main() -> None:
@@ -61,6 +75,9 @@ def main() -> None:
         rt.shutdown()
         return
     rt.health.set("engine", True)
+    # Advertised so the api can refuse a job whose completions cannot fit the context.
+    rt.gauges["rollout_model"] = settings.model
+    rt.gauges["max_model_len"] = engine_context(settings, engine)
     rt.preflight()
     from services.rollout.worker import RolloutWorker
 

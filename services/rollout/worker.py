@@ -43,7 +43,13 @@ class RolloutWorker:
     def __init__(self, rt: ServiceRuntime, settings: RolloutSettings, engine: Engine, store: ObjectStore) -> None:
         load_env_plugins(settings.env_plugin_modules)  # fail at start, in the service, if one is missing
         self.rt, self.s, self.engine = rt, settings, engine
-        self.bus = Bus(rt.redis, keys.GROUP_ROLLOUT, settings.replica, heartbeat_role="rollout")
+        self.bus = Bus(
+            rt.redis,
+            keys.GROUP_ROLLOUT,
+            settings.replica,
+            heartbeat_role="rollout",
+            claim_idle_ms=int(settings.claim_idle_s * 1000),
+        )
         self.jobs: dict[str, ServedJob] = {}
         self.cache = settings.data_dir / "adapters" / f"{settings.replica}-{uuid.uuid4().hex[:6]}"
         self.engine_ok = True

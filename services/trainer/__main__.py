@@ -47,8 +47,9 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
+    from services.trainer.claim import claim_job
     from services.trainer.distributed import CMD_EXIT, CMD_STEP, Comm
-    from services.trainer.loop import JobTrainer, claim_job
+    from services.trainer.loop import JobTrainer
     from services.trainer.progress import note_failure
     from shared.lease import LeaseKeeper, LeaseLost
 

@@ -201,7 +201,8 @@ def load_newest_valid(store: ObjectStore, job_id: str) -> Checkpoint | None:
 
 
 def prune_checkpoints(store: ObjectStore, job_id: str, keep: int) -> list[int]:
-    """Delete all but the newest `keep` checkpoints: manifest first, so none is ever half there."""
+    """Delete all but the newest `keep` checkpoints: manifest first, so none is ever half there.
+    Returns the steps of the checkpoints kept."""
     steps = checkpoint_steps(store, job_id)
     gone = steps[:-keep] if keep > 0 else []
     for step in gone:
@@ -209,4 +210,4 @@ def prune_checkpoints(store: ObjectStore, job_id: str, keep: int) -> list[int]:
         store.delete(f"{prefix}/{MANIFEST}")
         for key in store.list(prefix + "/"):
             store.delete(key)
-    return gone
+    return [s for s in steps if s not in gone]

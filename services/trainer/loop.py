@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, deque
+from collections import deque
 
+import redis
 import torch
 
 from services.trainer.checkpoint import (
     TrainState,
-    latest_checkpoint,
     load_newest_valid,
     optimizer_from_tensors,
     prune_checkpoints,
@@ -36,27 +36,21 @@ from services.trainer.learner import Aborted, Learner, StepResult
 from services.trainer.policy import load_policy, load_policy_files, policy_files
 from services.trainer.probe import compute_probe
 from services.trainer.progress import JobStuck, StaleStreak, clear_failures
+from services.trainer.publishing import Publisher
+from services.trainer.retention import Retention, prune_versions
 from services.trainer.settings import TrainerSettings
+from services.trainer.step_report import Session, StepTimes, step_point, zero_variance
 from shared import keys
 from shared.bus import Bus, Entry
-from shared.fence import record_takeover, refusal
-from shared.job import JobRecord, JobState, UnreadableJob, load_job, set_state
+from shared.job import JobRecord, JobState, load_job, set_state
 from shared.lease import Lease, LeaseKeeper, LeaseLost
 from shared.metrics import read_ledger, record_point
 from shared.policy import (
-    MANIFEST,
-    Manifest,
-    ProbeMismatch,
-    advance_pointer,
-    check_probe,
-    latest_version,
-    publish_version,
     read_manifest,
-    version_prefix,
 )
-from shared.schema import Completion, GroupMsg, decode, unpack_f32
-from shared.service import ServiceRuntime, active_job_ids
-from shared.store import ObjectStore, StoreError, VerificationError, get_folder
+from shared.schema import Completion, GroupMsg, decode
+from shared.service import ServiceRuntime
+from shared.store import ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
 CONSUMER = "trainer"  # one trainer per job (leased), so a fixed name finds its own pending entries
@@ -72,11 +66,6 @@ def _arrays_consistent(c: Completion) -> bool:
         and len(c.loss_mask) == n
         and (not c.ref_logprobs or len(c.ref_logprobs) == 4 * n)
     )
-
-
-def _zero_variance(g: GroupMsg, tol: float = 1e-6) -> bool:
-    rewards = [c.reward for c in g.completions]
-    return max(rewards) - min(rewards) <= tol
 
 
 class JobTrainer:
@@ -98,7 +87,13 @@ class JobTrainer:
         self.comm = comm or Comm()
         self.r = rt.redis
         # The trainer keeps entries pending across reads until a checkpoint holds them.
-        self.bus = Bus(self.r, keys.GROUP_TRAINER, CONSUMER, redo_own_pending=False)
+        self.bus = Bus(
+            self.r,
+            keys.GROUP_TRAINER,
+            CONSUMER,
+            redo_own_pending=False,
+            claim_idle_ms=int(settings.claim_idle_s * 1000),
+        )
         spec = rec.spec
         self.device = settings.device if settings.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         self.model, self.tok = load_policy(
@@ -136,6 +131,16 @@ class JobTrainer:
         self.save_times: deque[float] = deque(maxlen=5)
         self.publish_times: deque[float] = deque(maxlen=5)
         self.exit_reason = ""
+        self.publisher = Publisher(
+            store,
+            self.r,
+            rec.id,
+            spec.base_model,
+            lease=lease,
+            assert_lease=self._assert_lease,
+            probe_tolerance=settings.republish_probe_tolerance,
+        )
+        self.session = Session(process_start=start, epoch=lease.epoch if lease else 0, replica=settings.replica, step=0)
         self.progress = StaleStreak(
             max_staleness=spec.max_staleness,
             limit=settings.stuck_groups,
@@ -169,6 +174,8 @@ class JobTrainer:
         spec = self.rec.spec
         first = True  # our own pending entries (from before a crash) come first
         t_wait = time.time()
+        self.session.first_step = self.state.step
+        self._session_point("start")
         try:
             while self.state.step < spec.steps:
                 if self.rt.stop.is_set():
@@ -213,6 +220,7 @@ class JobTrainer:
             return
         finally:
             self.comm.broadcast_int(CMD_STOP)
+            self._session_point("end")
         if self.exit_reason.startswith("time budget"):
             log.info("job %s: %s; exiting the session", self.rec.id, self.exit_reason)
             self.rt.stop.set()  # a burst session ends here; the next one resumes from the store
@@ -221,6 +229,13 @@ class JobTrainer:
         if self.state.step >= spec.steps:
             if set_state(self.r, self.rec.id, JobState.completed, only_from={JobState.running}):
                 log.info("job %s: completed %d steps", self.rec.id, spec.steps)
+
+    def _session_point(self, event: str) -> None:
+        """The burst timeline: when this trainer held the job, what it cost and what it trained."""
+        try:
+            record_point(self.r, self.rec.id, "trainer_session", self.session.point(event, reason=self.exit_reason))
+        except redis.RedisError as e:  # a report, not a correctness matter: never mask the real exit
+            log.warning("job %s: could not record the session %s: %s", self.rec.id, event, e)
 
     def _follow(self) -> None:
         """Ranks > 0: train each batch rank 0 broadcasts, until it says stop."""
@@ -272,7 +287,7 @@ class JobTrainer:
             elif version - g.policy_version > spec.max_staleness:
                 self._ack([e], "dropped_stale")
                 self.progress.stale(g, version)
-            elif spec.algorithm.dynamic_sampling and _zero_variance(g):
+            elif spec.algorithm.dynamic_sampling and zero_variance(g):
                 # DAPO dynamic sampling: no advantage signal; the batch fills with informative groups.
                 self._ack([e], "dropped_zero_variance")
                 self.dropped_zero_var += 1
@@ -350,58 +365,29 @@ class JobTrainer:
         t_ckpt: float,
         checkpointed: bool,
     ) -> None:
-        spec = self.rec.spec
         groups = [g for _, g in items]
-        rewards = torch.tensor([[c.reward for c in g.completions] for g in groups], dtype=torch.float32)
-        staleness = [self.state.step - 1 - g.policy_version for g in groups]
-        hist = Counter(staleness)
-        lengths = [len(unpack_f32(c.logprobs)) for g in groups for c in g.completions]
-        busy = t_train + t_pub + t_ckpt
-        total = wait_s + busy
         # Time inside the bus (reads that found data, settle scripts) since the last point:
         # what the Redis transport costs a step, blocking for new data excluded.
         bus_total = self.bus.stats.read_s + self.bus.stats.settle_s
         bus_s, self._bus_seen = bus_total - self._bus_seen, bus_total
-        point = {
-            "step": self.state.step,
-            "loss": res.stats.get("loss", 0.0),
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-            "reward_min": float(rewards.min()),
-            "reward_max": float(rewards.max()),
-            "zero_variance_groups": int(sum(_zero_variance(g) for g in groups)),
-            "dropped_zero_variance": self.dropped_zero_var,
-            "grad_norm": res.grad_norm,
-            "lr": res.lr,
-            "updates": res.updates,
-            "groups": len(groups),
-            "tokens": res.tokens,
-            "completion_len_mean": sum(lengths) / max(1, len(lengths)),
-            "staleness_mean": sum(staleness) / len(staleness),
-            "staleness_max": max(staleness),
-            "staleness_hist": {str(k): hist[k] for k in sorted(hist)},
-            "wait_s": round(wait_s, 3),
-            "train_s": round(t_train, 3),
-            "fwd_bwd_s": round(res.fwd_bwd_s, 3),
-            "optim_s": round(res.optim_s, 3),
-            "publish_s": round(t_pub, 3),
-            "checkpoint_s": round(t_ckpt, 3),
-            "checkpointed": checkpointed,
-            "idle_frac": round(wait_s / total, 4) if total > 0 else 0.0,
-            "bus_s": round(bus_s, 5),
-            # The ledger as a time series (fed, trained, dropped_*, dead, in flight per step).
-            "ledger": read_ledger(self.r, self.rec.id),
-            "bus_frac": round(bus_s / busy, 5) if busy > 0 else 0.0,
-            "tokens_per_s": round(res.tokens / t_train, 1) if t_train > 0 else 0.0,
-            **{k: v for k, v in res.stats.items() if k != "loss"},
-        }
+        times = StepTimes(wait_s=wait_s, train_s=t_train, publish_s=t_pub, checkpoint_s=t_ckpt, bus_s=bus_s)
+        point = step_point(
+            self.state.step,
+            groups,
+            res,
+            times,
+            checkpointed=checkpointed,
+            dropped_zero_variance=self.dropped_zero_var,
+            ledger=read_ledger(self.r, self.rec.id),
+        )
+        self.session.trained(point)
         record_point(self.r, self.rec.id, "trainer", point)
         log.info(
             "job %s step %d/%d: reward %.3f loss %.4f mismatch_kl %.4f is_frac %.3f stale %s "
             "(wait %.1fs train %.2fs publish %.2fs ckpt %.2fs)",
             self.rec.id,
             self.state.step,
-            spec.steps,
+            self.rec.spec.steps,
             point["reward_mean"],
             point["loss"],
             res.stats.get("mismatch_kl", 0.0),
@@ -436,9 +422,16 @@ class JobTrainer:
         if ack:
             self._ack_checkpointed()
         try:
-            prune_checkpoints(self.store, self.rec.id, self.s.keep_checkpoints)
-        except Exception as e:  # old checkpoints are clutter, not a correctness problem
-            log.warning("could not prune old checkpoints: %s", e)
+            kept = prune_checkpoints(self.store, self.rec.id, self.s.keep_checkpoints)
+            prune_versions(
+                self.store,
+                self.r,
+                self.rec.id,
+                Retention(self.s.keep_versions, self.s.keep_versions_every),
+                checkpoint_steps=kept,
+            )
+        except Exception as e:  # old checkpoints and versions are clutter, not a correctness problem
+            log.warning("could not prune old checkpoints or versions: %s", e)
         return dt
 
     def _ack_checkpointed(self) -> None:
@@ -468,88 +461,15 @@ class JobTrainer:
 
     # -- publishing ------------------------------------------------------------------
     def _publish(self, files: dict[str, bytes]) -> None:
-        v = self.state.step
-        prefix = version_prefix(self.rec.id, v)
         probe = compute_probe(self.model, self.tok, self.rec.spec.task)
-        if self.store.exists(f"{prefix}/{MANIFEST}"):
-            why = self._existing_version_problem(v, probe)
-            if not why:
-                # Re-trained after resuming from an older checkpoint: versions are immutable, and
-                # this one is ours in all but name (its probe agrees with these weights).
-                log.info("job %s: policy v%d already published and matches these weights; keeping it", self.rec.id, v)
-                return
-            # Rollout would refuse it (or serve weights that are not ours). Replace it, manifest
-            # first, so no reader ever sees the new files under the old manifest.
-            log.error("job %s: policy v%d in the store %s; publishing it again", self.rec.id, v, why)
-            self._assert_lease()
-            self.store.delete(f"{prefix}/{MANIFEST}")
-        m = Manifest(
-            job_id=self.rec.id,
-            version=v,
-            step=v,
-            base_model=self.rec.spec.base_model,
-            files={},
-            probe=probe,
-            epoch=self._epoch(),
-        )
-        publish_version(self.store, m, files, before_manifest=self._assert_lease)
-        self.progress.published(v, m.created_at)
-
-    def _existing_version_problem(self, v: int, probe: dict[str, list]) -> str:
-        """Why the stored version v must be replaced ("" when it may stay): torn or tampered
-        files, a deposed trainer's write, or weights other than these (a forged version)."""
-        try:
-            meta, _ = get_folder(self.store, version_prefix(self.rec.id, v))  # every hash checked
-            m = Manifest(**meta)
-        except (VerificationError, StoreError, ValueError, KeyError, TypeError) as e:
-            return f"is corrupt ({type(e).__name__}: {e})"
-        if why := refusal(self.store, self.rec.id, "version", v, m.epoch):
-            return f"was written by a deposed trainer ({why})"
-        try:
-            check_probe(m.probe, probe["logprobs"], self.s.republish_probe_tolerance)
-        except ProbeMismatch as e:
-            return f"does not hold these weights ({e})"
-        return ""
+        if at := self.publisher.publish(self.state.step, files, probe):
+            self.progress.published(self.state.step, at)
 
     def _publish_if_missing(self) -> None:
-        if not self.store.exists(f"{version_prefix(self.rec.id, self.state.step)}/{MANIFEST}"):
+        if not self.publisher.exists(self.state.step):
             self._publish(policy_files(self.model, self.rec.spec.base_model))
         self._advance_pointer()
 
     def _advance_pointer(self) -> None:
-        v = self.state.step
-        if self.lease is not None:
-            advance_pointer(self.r, self.rec.id, v, self.lease.fence)
-        self.rt.gauges["policy_versions"] = {self.rec.id: v}
-
-
-def claim_job(rt: ServiceRuntime, settings: TrainerSettings, store: ObjectStore) -> tuple[JobRecord, Lease] | None:
-    """The first running job (or the configured one) whose lease we can take, with that lease.
-
-    Taking the lease bumps the job's fencing epoch; before anything else the new holder
-    records the takeover in the store (shared/fence.py), so whatever a deposed holder writes
-    from now on is refused by every reader."""
-    candidates = [settings.job] if settings.job else active_job_ids(rt.redis)
-    for job_id in candidates:
-        try:
-            rec = load_job(rt.redis, job_id)
-        except UnreadableJob as e:
-            log.error("%s; skipped", e)
-            continue
-        if rec is None or rec.state != JobState.running:
-            continue
-        lease = Lease(rt.redis, job_id, settings.replica, settings.lease_s)
-        if not lease.acquire():
-            continue
-        try:
-            version = latest_version(store, job_id)
-            ckpt = latest_checkpoint(store, job_id)
-            record_takeover(
-                store, job_id, lease.epoch, lease.token, version=version, checkpoint=-1 if ckpt is None else ckpt
-            )
-        except BaseException:
-            lease.release()
-            raise
-        log.info("job %s: lease taken (epoch %d; store has v%d, checkpoint %s)", job_id, lease.epoch, version, ckpt)
-        return rec, lease
-    return None
+        self.publisher.announce(self.state.step)
+        self.rt.gauges["policy_versions"] = {self.rec.id: self.state.step}
