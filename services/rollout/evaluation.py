@@ -80,7 +80,9 @@ class Evaluation:
 class Evaluator:
     def __init__(self, rt: ServiceRuntime, settings: RolloutSettings, leases: Leases) -> None:
         self.rt, self.s, self.leases = rt, settings, leases
-        self.scorer = Scorer(settings.score_workers, settings.score_plugin_modules)
+        self.scorer = Scorer(
+            settings.score_workers, settings.score_plugin_modules, setting="BURSTRL_ROLLOUT_SCORE_PLUGINS"
+        )
         self._scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval-score")  # the scorer's one caller
         self.running: dict[str, Evaluation] = {}  # job -> its evaluation in progress
         self._turn = ""  # the job whose evaluation ran the last round (rounds go round-robin)

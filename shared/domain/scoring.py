@@ -22,6 +22,7 @@ from typing import Any
 
 import shared.domain.envs  # noqa: F401  (registers the environments' tasks, "arith3" and "guess", in scoring processes)
 from shared.domain.verifiers import TAG_SEP, error_tag, load_plugins
+from shared.plugins import import_plugins
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +100,14 @@ class Scorer:
     """Groups scored in `workers` processes (0: threads of this process, for debugging), each
     under min(its own timeout, `max_timeout_s`). One caller at a time (one thread)."""
 
-    def __init__(self, workers: int, plugins: list[str], max_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, workers: int, plugins: list[str], max_timeout_s: float = 120.0, *, setting: str = "BURSTRL_REWARD_PLUGINS"
+    ) -> None:
         self.workers = workers
         self.plugins = plugins
         self.max_timeout_s = max_timeout_s
         self._pool: ProcessPoolExecutor | ThreadPoolExecutor | None = None
-        load_plugins(plugins)  # fail at start, in the service, if a plugin is missing
+        import_plugins(plugins, setting=setting)  # fail at start, in the service, naming the setting to fix
 
     def _get_pool(self) -> ProcessPoolExecutor | ThreadPoolExecutor:
         if self._pool is None:
