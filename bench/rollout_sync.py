@@ -122,7 +122,8 @@ def run_once(
     threads = [threading.Thread(target=trainer, daemon=True), threading.Thread(target=feeder, daemon=True)]
     for t in threads:
         t.start()
-    deadline = time.time() + n_versions * interval + (600 if eval_size else 120)
+    t_start = time.time()
+    deadline = t_start + n_versions * interval + (600 if eval_size else 120)
     try:
         while time.time() < deadline:
             worker.tick()
@@ -134,6 +135,8 @@ def run_once(
         stop.set()
         for t in threads:
             t.join(5)
+    wall_s = time.time() - t_start
+    produced = int(r.hget(keys.ledger(job.id), "produced") or 0)
     points = read_points(r, job.id, "rollout_version")
     evals = read_evals(r, job.id)
     seen = met_eval | {p["version"] for p in points} | (set() if eval_size else set(range(1, n_versions + 1)))
@@ -162,6 +165,7 @@ def run_once(
         "p95_s": round(percentile(lat, 95), 3) if lat else None,
         "max_s": round(max(lat), 3) if lat else None,
         "probe_mean_diff": max((p["probe_mean_diff"] or 0.0) for p in adopted) if adopted else None,
+        "groups_per_s": round(produced / wall_s, 2),  # training groups generated meanwhile
     }
     if eval_size:
         out["published_during_eval"] = len(met_eval)  # the latencies above: publish -> serving it or newer
@@ -199,11 +203,14 @@ def main() -> None:
             res = run_mode(mode, args.model, args.versions, args.interval, versions, Path(tmp) / mode)
             results.append(res)
             print(json.dumps(res), flush=True)
-    print(f"\n{'mode':<10} {'eval':<9} {'adopted':>8} {'p50 s':>8} {'p95 s':>8} {'max s':>8} {'eval s':>8}")
+    head = (
+        f"{'mode':<10} {'eval':<9} {'adopted':>8} {'p50 s':>8} {'p95 s':>8} {'max s':>8} {'eval s':>8} {'groups/s':>9}"
+    )
+    print("\n" + head)
     for res in results:
         print(
             f"{res['mode']:<10} {res.get('eval', '-'):<9} {res['adopted']:>8} {res['p50_s']!s:>8} "
-            f"{res['p95_s']!s:>8} {res['max_s']!s:>8} {res.get('eval_s_mean', '-')!s:>8}"
+            f"{res['p95_s']!s:>8} {res['max_s']!s:>8} {res.get('eval_s_mean', '-')!s:>8} {res['groups_per_s']!s:>9}"
         )
     by = {res.get("eval"): res for res in results}
     if {"blocking", "rounds"} <= set(by) and by["rounds"]["p50_s"]:
