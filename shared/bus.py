@@ -387,6 +387,18 @@ class Bus:
             log.warning("%d of %d entries were already acknowledged elsewhere; skipped", len(units) - done, len(units))
         return done
 
+    def redo_or_dead_letter(self, e: Entry, reason: str) -> bool:
+        """An entry this consumer failed to handle, through no fault of the service (an engine
+        refused its request, say): left pending, so a later read delivers it again, until it
+        has been delivered `max_deliveries` times; then dead-lettered with `reason`, which
+        says more than the reclaim pass's "delivered N times". True: dead-lettered."""
+        pending = self.r.xpending_range(e.stream, self.group, min=e.id, max=e.id, count=1)
+        delivered = int(pending[0]["times_delivered"]) if pending else 0
+        if delivered < self.max_deliveries:
+            return False
+        self.dead_letter(e, f"{reason} (delivered {delivered} times)")
+        return True
+
     def dead_letter(self, e: Entry, reason: str) -> None:
         log.error("dead-lettering %s %s: %s", e.stream, e.id, reason)
         d = DeadLetter(stream=e.stream, entry_id=e.id, reason=reason, payload=e.data, at=time.time())
