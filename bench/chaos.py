@@ -56,6 +56,7 @@ from services.cli.launch import free_port, port_open, terminate  # noqa: E402
 from shared import keys  # noqa: E402
 from shared.ledger import audit  # noqa: E402
 from shared.metrics import read_ledger, read_points  # noqa: E402
+from shared.policy import read_pointer  # noqa: E402
 from shared.redis_conn import connect  # noqa: E402
 
 SERVICES = ["api", "rollout", "reward", "ref", "trainer"]
@@ -157,7 +158,7 @@ class Chaos:
     # helpers
     def version(self) -> int:
         try:
-            return int(self.r.get(keys.policy_pointer(self.job)) or 0)
+            return read_pointer(self.r, self.job)
         except Exception:  # noqa: BLE001 (redis may be the thing that is down)
             return -1
 

@@ -35,7 +35,7 @@ from pydantic import BaseModel
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from services.plan.memory import Method, TrainerSettings, Workload, trainer_memory  # noqa: E402
+from services.plan.memory import Method, TrainerKnobs, Workload, trainer_memory  # noqa: E402
 from services.plan.model_shape import ModelShape  # noqa: E402
 
 # Random-init Qwen2 shapes: "tiny" keeps a CI test fast; "small" has a realistic ratio of
@@ -92,10 +92,10 @@ def case_shape(case: Case) -> ModelShape:
 
 def estimate(case: Case) -> float:
     """The planner's number for this case: tensor bytes only (no GPU context, no slack)."""
-    settings = TrainerSettings(
+    settings = TrainerKnobs(
         dtype=case.dtype,  # type: ignore[arg-type]
         micro_batch=case.micro_batch,
-        grad_checkpointing=case.grad_checkpointing,
+        gradient_checkpointing=case.grad_checkpointing,
         grad_accumulation=case.accum > 1,
         optimizer_impl="fused",
         master_weights=False,  # the model is cast to the dtype: pure 16-bit, AdamW states follow it

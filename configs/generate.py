@@ -12,7 +12,12 @@ script then leaves the file alone (it never overwrites a measured config).
 
 File name: [model]_[task]_[gpunums]_[device]_[train]_[infer].toml, where a mixed box
 lists its cards with '+' in the same order in gpunums and device (`1+2_h200+mi50`: one
-H200 for the trainer, two MI50s for rollout and ref).
+H200 for the trainer, two MI50s for rollout and ref), and [train] says what the trainer
+uses (`train_tag`): lora / qlora (4-bit base) / full, then -ddp (several cards, each with the
+whole model), -fsdp2 (sharded), -offload (CPU offload), -adam8bit.
+
+Every setting in [tuning.*] and [env.*] is a service setting with the planner's name for it:
+the environment lines come from `services.plan.vocabulary`, the one place that spells them.
 """
 
 from __future__ import annotations
@@ -23,11 +28,14 @@ import shlex
 import subprocess
 import sys
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from the repository root: import the planner's vocabulary
+from services.plan import vocabulary  # noqa: E402
+
 OUT = ROOT / "configs"
 PLAN_CMD = [".venv/bin/python", "-m", "services.plan"]
 
@@ -64,181 +72,34 @@ class Layout:
     batch: int
     steps: int
     rank: int = 16
+    method: str = "lora"  # or "full"
     ref: bool = True  # False: no KL term, the ref role is skipped (--no-ref)
     max_staleness: int = 1
     extra_args: tuple[str, ...] = ()
     why: str = ""
-    env: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
-LAYOUTS = [
-    # --- RTX 4070 (12 GB): the dev loop ---------------------------------------------------
-    Layout(
-        "recommended",
-        "Qwen2.5-0.5B",
-        ("rtx4070",),
-        256,
-        256,
-        8,
-        16,
-        200,
-        why="Dev loop on one 12 GB card: debug the loss and chase reward hacking in minutes per step.",
-    ),
-    Layout(
-        "min",
-        "Qwen3-0.6B",
-        ("rtx4070",),
-        256,
-        512,
-        8,
-        16,
-        200,
-        why="Smallest Qwen3 on a 12 GB card with every saver on, leaving room for a browser and a desktop.",
-    ),
-    Layout(
-        "min",
-        "Qwen2.5-1.5B",
-        ("rtx4070",),
-        256,
-        512,
-        8,
-        8,
-        200,
-        ref=False,
-        why="The largest model this dev loop trains alone on a 12 GB card: QLoRA base, no KL term (no ref).",
-    ),
-    # --- home box: RTX 4070 trains, two MI50s serve (no rental) ------------------------------
-    Layout(
-        "recommended",
-        "Qwen2.5-3B",
-        ("rtx4070", "mi50-32:2"),
-        256,
-        512,
-        8,
-        16,
-        300,
-        max_staleness=2,
-        why="Home only: the 4070 steps while two MI50s sample; staleness 2 keeps the slow MI50s busy.",
-    ),
-    Layout(
-        "min",
-        "Qwen2.5-7B",
-        ("rtx4070", "mi50-32:2"),
-        256,
-        512,
-        8,
-        8,
-        300,
-        max_staleness=2,
-        why="The largest model the home box trains: 4-bit base on the 4070, AWQ on the MI50s.",
-    ),
-    # --- rented H200 + home MI50s: the burst ------------------------------------------------
-    Layout(
-        "recommended",
-        "Qwen2.5-1.5B",
-        ("h200",),
-        512,
-        1024,
-        8,
-        32,
-        400,
-        why="A 10-hour H200 burst alone (colocated: vLLM sleeps while the trainer steps).",
-    ),
-    Layout(
-        "recommended",
-        "Qwen2.5-1.5B",
-        ("h200", "mi50-32:2"),
-        512,
-        1024,
-        8,
-        32,
-        400,
-        extra_args=("--placement", "disaggregated"),
-        why="The burstrl layout: the H200 only steps; the home MI50s sample and score around the clock.",
-    ),
-    Layout(
-        "recommended",
-        "Qwen2.5-7B",
-        ("h200",),
-        512,
-        1024,
-        8,
-        32,
-        300,
-        why="7B on one H200, colocated.",
-    ),
-    Layout(
-        "min",
-        "Qwen2.5-14B",
-        ("h200", "mi50-32:3"),
-        512,
-        1024,
-        8,
-        16,
-        300,
-        max_staleness=2,
-        ref=False,
-        extra_args=("--placement", "disaggregated"),
-        why="14B with the rental only for the optimizer: 4-bit base on the H200, AWQ on three MI50s, no KL term.",
-    ),
-    # --- H100 ------------------------------------------------------------------------------
-    Layout(
-        "recommended",
-        "Qwen2.5-3B",
-        ("h100",),
-        512,
-        1024,
-        8,
-        32,
-        300,
-        why="3B on one H100, colocated.",
-    ),
-    Layout(
-        "recommended",
-        "Llama-3.1-8B",
-        ("h100:4",),
-        512,
-        1024,
-        8,
-        64,
-        300,
-        why="8B on a 4x H100 node: the planner picks how many cards train and how many sample.",
-    ),
-    Layout(
-        "min",
-        "Qwen2.5-7B",
-        ("h100",),
-        512,
-        1024,
-        8,
-        16,
-        300,
-        why="7B on one H100 with every saver on: the most KV left for long completions.",
-    ),
-    Layout(
-        "min",
-        "Qwen2.5-14B",
-        ("h100",),
-        512,
-        1024,
-        8,
-        16,
-        300,
-        ref=False,
-        why="14B on one H100: 4-bit base, no KL term.",
-    ),
-]
+def load_layouts(path: Path = OUT / "layouts.toml") -> list[Layout]:
+    """The layouts to write, from configs/layouts.toml (data, not code: one [[layout]] per file)."""
+    rows = tomllib.loads(path.read_text())["layout"]
+    return [
+        Layout(**{**row, "cards": tuple(row["cards"]), "extra_args": tuple(row.get("extra_args", ()))}) for row in rows
+    ]
+
+
+LAYOUTS = load_layouts()
 
 
 def plan_argv(lay: Layout) -> list[str]:
-    argv = ["--model", lay.model, "--method", "lora", "--rank", str(lay.rank)]
+    argv = ["--model", lay.model, "--method", lay.method, "--rank", str(lay.rank)]
     argv += ["--prompt-len", str(lay.prompt_len), "--completion-len", str(lay.completion_len)]
     argv += ["--group-size", str(lay.group_size), "--batch", str(lay.batch), "--cards", *lay.cards]
     if not lay.ref:
         argv.append("--no-ref")
     if any(c.startswith("mi50") for c in lay.cards):  # gfx906 engines serve quantized weights only
         argv += ["--rollout-weights", "awq"]
-    argv += list(lay.extra_args)
+    # The profiles are about throughput and footprint, not price: rank by step time.
+    argv += [*lay.extra_args, "--objective", "time"]
     return [*argv, "--json"]
 
 
@@ -247,7 +108,22 @@ def card_name(spec: str) -> tuple[str, int]:
     return name, int(count or 1)
 
 
-def file_name(lay: Layout) -> str:
+def train_tag(trainer: dict[str, Any], profile: str, method: str) -> str:
+    """What the trainer uses, for the file name: lora/qlora/full, then -ddp, -fsdp2, -offload, -adam8bit."""
+    settings = trainer["recommended"] if profile == "recommended" else trainer["min_settings"]
+    parts = ["full" if method == "full" else "qlora" if settings["base_bits"] == 4 else "lora"]
+    if settings["sharding"] == "fsdp":
+        parts.append("fsdp2")
+    elif trainer["count"] > 1:
+        parts.append("ddp")
+    if settings["cpu_offload"]:
+        parts.append("offload")
+    if settings["optimizer"] == "adamw8bit":
+        parts.append("adam8bit")
+    return "-".join(parts)
+
+
+def file_name(lay: Layout, plan: dict[str, Any]) -> str:
     cards = [card_name(c) for c in lay.cards]
     if len(cards) == 1:
         gpus, device = str(cards[0][1]), DEVICE[cards[0][0]]
@@ -255,7 +131,8 @@ def file_name(lay: Layout) -> str:
         gpus = "+".join(str(n) for _, n in cards)
         device = "+".join(DEVICE[c] for c, _ in cards)
     infer = "vllm-gfx906" if any(c.startswith("mi50") for c, _ in cards) else "vllm"
-    return f"{lay.model.lower()}_grpo-lora_{gpus}_{device}_fsdp_{infer}.toml"
+    train = train_tag(role(plan, "trainer") or {}, lay.profile, lay.method)
+    return f"{lay.model.lower()}_grpo-{lay.method}_{gpus}_{device}_{train}_{infer}.toml"
 
 
 def file_device(lay: Layout) -> str:
@@ -266,8 +143,15 @@ def role(plan: dict[str, Any], name: str) -> dict[str, Any] | None:
     return next((r for r in plan["roles"] if r["role"] == name), None)
 
 
+def profile_settings(r: dict[str, Any], profile: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(service settings, layout facts) of a role for this profile."""
+    if profile == "recommended":
+        return r["recommended"], r["layout"]
+    return r["min_settings"], r["min_layout"]
+
+
 def tuning(r: dict[str, Any], profile: str) -> dict[str, Any]:
-    settings = r["recommended"] if profile == "recommended" else r["min_settings"]
+    settings, layout = profile_settings(r, profile)
     peak = r["peak_gb"] if profile == "recommended" else r["min_peak_gb"]
     return {
         "cards": f"{r['count']}x {r['card']}",
@@ -275,44 +159,42 @@ def tuning(r: dict[str, Any], profile: str) -> dict[str, Any]:
         "capacity_gb": round(r["capacity_gb"], 1),
         "time_s": round(r["time_s"], 1),
         **settings,
+        **layout,
     }
 
 
-def env_tables(lay: Layout, plan: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Environment for each service, with names the services read (the test checks them)."""
+def env_tables(lay: Layout, plan: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Environment for each service, with names the services read (the test checks them), and
+    the `vllm serve` flags a remote engine needs (comments: compose's engine command sets them)."""
     base = HUB[lay.model]
     trainer, rollout, ref = role(plan, "trainer"), role(plan, "rollout"), role(plan, "ref")
     env: dict[str, dict[str, Any]] = {}
+    serve: list[str] = []
     assert trainer is not None
     env["trainer"] = {"BURSTRL_TRAINER_DEVICE": "cuda"}
-    trainer_tuning = trainer["recommended"] if lay.profile == "recommended" else trainer["min_settings"]
-    if trainer_tuning.get("grad_checkpointing"):
-        env["trainer"]["BURSTRL_TRAINER_GRADIENT_CHECKPOINTING"] = True
-    # The planner sized activations for `micro_batch` sequences of prompt + completion tokens
-    # per forward/backward; the trainer bounds its passes by padded tokens.
-    env["trainer"]["BURSTRL_TRAINER_MICRO_BATCH_TOKENS"] = max(1, int(trainer_tuning.get("micro_batch", 1))) * (
-        lay.prompt_len + lay.completion_len
-    )
+    env["trainer"] |= vocabulary.env_vars("trainer", profile_settings(trainer, lay.profile)[0])
     if trainer["card"] in ("h200", "h100"):  # rented: stop with a checkpoint before the rental ends
         env["trainer"]["BURSTRL_TRAINER_TIME_BUDGET_S"] = 9 * 3600 + 30 * 60
     if rollout is not None:
-        gfx906 = rollout["card"].startswith("mi50")
+        settings, layout = profile_settings(rollout, lay.profile)
+        remote = layout.get("engine") == "remote"
         env["rollout"] = {
             "BURSTRL_ROLLOUT_MODEL": base,
             "BURSTRL_ROLLOUT_MAX_MODEL_LEN": lay.prompt_len + lay.completion_len,
             "BURSTRL_ROLLOUT_MAX_LORA_RANK": lay.rank,
             # One adapter per version in flight, plus the one being adopted.
             "BURSTRL_ROLLOUT_MAX_LORAS": lay.max_staleness + 2,
-            "BURSTRL_ROLLOUT_DTYPE": "float16" if gfx906 else "bfloat16",  # gfx906 has no bf16
             # Max per-token |engine - trainer| log-prob gap a version's probe may show: a 4-bit fp16
             # engine needs more room than a bf16 one (a guess to refine: refusals state the gap seen).
-            "BURSTRL_ROLLOUT_PROBE_TOLERANCE": 1.0 if gfx906 else 0.25,
+            "BURSTRL_ROLLOUT_PROBE_TOLERANCE": 1.0 if remote else 0.25,
         }
-        if gfx906:  # the gfx906 fork runs in its own container; rollout is its client
+        if not remote:
+            env["rollout"] |= vocabulary.env_vars("rollout", settings)
+        else:  # the gfx906 fork runs in its own container; rollout is its client
+            serve = vocabulary.serve_flags(settings)
             engine_limits = {
                 k: env["rollout"].pop(f"BURSTRL_ROLLOUT_{k}") for k in ("MAX_MODEL_LEN", "MAX_LORA_RANK", "MAX_LORAS")
             }
-            del env["rollout"]["BURSTRL_ROLLOUT_DTYPE"]  # the engine's --dtype=float16 decides
             env["rollout"]["BURSTRL_ROLLOUT_ENGINE"] = "remote"
             env["rollout"]["BURSTRL_ROLLOUT_ENGINE_URL"] = "http://engine-rollout:8000"
             env["rollout"]["BURSTRL_ROLLOUT_ENGINE_SERVED_MODEL"] = base
@@ -325,13 +207,15 @@ def env_tables(lay: Layout, plan: dict[str, Any]) -> dict[str, dict[str, Any]]:
                 "MI50_PROBE_TOLERANCE": env["rollout"]["BURSTRL_ROLLOUT_PROBE_TOLERANCE"],
             }
     if ref is not None and lay.ref:
-        gfx906 = ref["card"].startswith("mi50")
+        settings, layout = profile_settings(ref, lay.profile)
         env["ref"] = {"BURSTRL_REF_MODEL": base, "BURSTRL_REF_DEVICE": "cuda"}
-        if gfx906:
+        if layout.get("engine") == "remote":
             env["ref"]["BURSTRL_REF_ENGINE"] = "remote"
             env["ref"]["BURSTRL_REF_ENGINE_URL"] = "http://engine-ref:8000"
             env.setdefault("compose", {})["ENGINE_REF_CHECKPOINT"] = QUANTIZED.get(lay.model, base)
-    return env
+        else:
+            env["ref"] |= vocabulary.env_vars("ref", settings)
+    return env, serve
 
 
 def toml_value(v: Any) -> str:
@@ -354,6 +238,7 @@ def toml_table(name: str, values: dict[str, Any], comment: str = "") -> list[str
 
 def render(lay: Layout, plan: dict[str, Any], command: str, fname: str) -> str:
     kl = 0.001 if lay.ref else 0.0
+    full = lay.method == "full"
     job = {
         # A job-name slug ([a-z0-9-], <= 48): model, cards and profile.
         "name": re.sub(r"[^a-z0-9]+", "-", f"{lay.model}-{file_device(lay)}-{lay.profile}".lower())[:48],
@@ -362,7 +247,7 @@ def render(lay: Layout, plan: dict[str, Any], command: str, fname: str) -> str:
         "group_size": lay.group_size,
         "batch_size": lay.batch,
         "steps": lay.steps,
-        "learning_rate": 2e-5,
+        "learning_rate": 1e-6 if full else 2e-5,  # all weights move: a much smaller step
         "lora_rank": lay.rank,
         "lora_alpha": 2 * lay.rank,
         "kl_coef": kl,
@@ -370,6 +255,8 @@ def render(lay: Layout, plan: dict[str, Any], command: str, fname: str) -> str:
         "eval_size": 256,
         "seed": 0,
     }
+    if full:
+        job["algorithm"] = {"finetune": "full"}
     sampling = {"temperature": 1.0, "top_p": 1.0, "max_tokens": lay.completion_len}
     names = fname.removesuffix(".toml").split("_")
     meta = {
@@ -399,17 +286,23 @@ def render(lay: Layout, plan: dict[str, Any], command: str, fname: str) -> str:
         f"# {lay.prompt_len}-token prompts and {lay.completion_len}-token completions in meta.command.",
         "",
     ]
-    lines += [f"{k} = {toml_value(v)}" for k, v in job.items()]
+    lines += [f"{k} = {toml_value(v)}" for k, v in job.items() if not isinstance(v, dict)]
     lines += toml_table("sampling", sampling, "temperature 1: sampler log-probs stay exact")
+    if full:
+        lines += toml_table("algorithm", job["algorithm"], "update every weight, not a LoRA adapter")
     lines += toml_table("meta", meta)
     lines += toml_table("plan", summary, "the planner's answer for the whole layout")
     for r in plan["roles"]:
         if r["role"] == "ref" and not lay.ref:
             continue
         lines += toml_table(f"tuning.{r['role']}", tuning(r, lay.profile), f"{lay.profile} settings, per card")
-    for svc, env in env_tables(lay, plan).items():
+    env, serve = env_tables(lay, plan)
+    for svc, values in env.items():
         what = "variables for compose/.env" if svc == "compose" else f"environment of `python -m services.{svc}`"
-        lines += toml_table(f"env.{svc}", env, what)
+        lines += toml_table(f"env.{svc}", values, what)
+        if svc == "rollout" and serve:
+            # A remote engine's capacity is set where it starts (compose's engine-rollout command).
+            lines.append("# remote engine: start it with  vllm serve " + " ".join(serve))
     return "\n".join(lines) + "\n"
 
 
@@ -428,7 +321,7 @@ def main() -> int:
         if trainer_card != card_name(lay.cards[0])[0]:
             print(f"{lay.model} on {lay.cards}: the planner puts the trainer on {trainer_card}, not the first card")
             return 1
-        fname = file_name(lay)
+        fname = file_name(lay, plan)
         path = OUT / lay.profile / fname
         if path.exists() and tomllib.loads(path.read_text()).get("meta", {}).get("obtained") == "measured":
             print(f"kept (measured): {path.relative_to(ROOT)}")

@@ -20,11 +20,14 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
+import msgspec
 import redis
 
 from shared import keys
-from shared.schema import DeadLetter, encode_dead
+from shared.lease import FENCE_CHECK, Fence, LeaseLost
+from shared.schema import DeadLetter, Message, decode, encode_dead
 
 log = logging.getLogger(__name__)
 FIELD = b"m"  # every stream entry has one field holding the msgpack payload
@@ -38,7 +41,7 @@ class Entry:
 
     @property
     def job_id(self) -> str:
-        return self.stream.split(":")[1]
+        return keys.job_of_stream(self.stream)
 
 
 @dataclass
@@ -99,8 +102,26 @@ return acked
 """
 
 
+# ACK_LUA behind the lease guard (shared/lease.py): KEYS lease, stream, ledger; ARGV the lease
+# value, then ACK_LUA's ARGV. Returns -1, acknowledging nothing, when the caller lost the lease.
+FENCED_ACK_LUA = (
+    FENCE_CHECK
+    + """
+local nnames = tonumber(ARGV[3])
+local acked = redis.call('XACK', KEYS[2], ARGV[2], unpack(ARGV, 4 + nnames))
+if acked > 0 then
+  for j = 1, nnames do redis.call('HINCRBY', KEYS[3], ARGV[3 + j], acked) end
+end
+return acked
+"""
+)
+
+
 def _s(x: bytes | str) -> str:
     return x.decode() if isinstance(x, bytes) else x
+
+
+M = TypeVar("M", bound=Message)
 
 
 class Bus:
@@ -136,6 +157,7 @@ class Bus:
         self.stats = BusStats()
         self._settle_script = r.register_script(SETTLE_LUA)
         self._ack_script = r.register_script(ACK_LUA)
+        self._fenced_ack_script = r.register_script(FENCED_ACK_LUA)
 
     @staticmethod
     def ensure_groups(r: redis.Redis, job_id: str) -> None:
@@ -169,6 +191,25 @@ class Bus:
                     self.r.xack(stream, self.group, eid)
                     continue
                 out.append(Entry(_s(stream), _s(eid), fields.get(FIELD, b"")))
+        return out
+
+    def read_own(self, stream: str, *, count: int) -> list[Entry]:
+        """Entries delivered to this consumer and not yet acknowledged (its pending list).
+
+        For a consumer that keeps entries pending across reads (the trainer, until a
+        checkpoint holds them): after a restart these come back first, in stream order."""
+        resp = self.r.xreadgroup(self.group, self.consumer, {stream: "0"}, count=count)
+        return [Entry(_s(s), _s(eid), f.get(FIELD, b"")) for s, es in resp or [] for eid, f in es if f]
+
+    def decode(self, entries: Iterable[Entry], expected: type[M]) -> list[tuple[Entry, M]]:
+        """Decode each entry as `expected`; one that does not decode goes to the dead-letter
+        stream with the reason (docs/architecture.md, invariant 8) and the rest carry on."""
+        out: list[tuple[Entry, M]] = []
+        for e in entries:
+            try:
+                out.append((e, decode(e.data, expected)))
+            except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as err:
+                self.dead_letter(e, f"undecodable {expected.__name__}: {err}")
         return out
 
     def redo_now(self) -> None:
@@ -265,12 +306,17 @@ class Bus:
             raise ValueError("forward() with outputs takes exactly one input entry")
         return self.ack(entries, ledger)
 
-    def ack(self, entries: list[Entry], ledger: dict[str, dict[str, int]] | None = None) -> int:
+    def ack(
+        self, entries: list[Entry], ledger: dict[str, dict[str, int]] | None = None, *, fence: Fence | None = None
+    ) -> int:
         """Acknowledge entries; `ledger` counts must be one per entry of each job (or absent).
 
         Counters go up by the number of entries this call actually removed from the
         pending list (XACK's own count, in the same script), so an entry acknowledged
         twice is counted once. Returns that number.
+
+        `fence`: acknowledge only while holding that lease (the trainer's acks): checked in
+        the same script, so a deposed trainer's ack fails atomically; raises LeaseLost then.
         """
         by_stream: dict[str, list[Entry]] = {}
         for e in entries:
@@ -289,10 +335,22 @@ class Bus:
             names = list((ledger or {}).get(job_id, {}))
             for i in range(0, len(es), 1000):  # Lua's unpack() has a stack limit of ~8000 values
                 ids = [e.id for e in es[i : i + 1000]]
-                self._ack_script(
-                    keys=[stream, keys.ledger(job_id)], args=[self.group, len(names), *names, *ids], client=pipe
-                )
-        done = sum(int(x) for x in pipe.execute())
+                if fence is None:
+                    self._ack_script(
+                        keys=[stream, keys.ledger(job_id)], args=[self.group, len(names), *names, *ids], client=pipe
+                    )
+                else:
+                    self._fenced_ack_script(
+                        keys=[fence.key, stream, keys.ledger(job_id)],
+                        args=[fence.value, self.group, len(names), *names, *ids],
+                        client=pipe,
+                    )
+        results = [int(x) for x in pipe.execute()]
+        if any(x < 0 for x in results):
+            # Nothing after the first refused chunk can have been acknowledged either: the
+            # lease does not come back within one pipeline.
+            raise LeaseLost(f"lease {fence.key if fence else ''} lost: {sum(x for x in results if x > 0)} acked first")
+        done = sum(results)
         self.stats.settle_s += time.perf_counter() - t0
         if done < len(entries):
             log.warning("%d of %d entries were already acknowledged elsewhere", len(entries) - done, len(entries))
@@ -328,6 +386,18 @@ class Bus:
         if done < len(units):
             log.warning("%d of %d entries were already acknowledged elsewhere; skipped", len(units) - done, len(units))
         return done
+
+    def redo_or_dead_letter(self, e: Entry, reason: str) -> bool:
+        """An entry this consumer failed to handle, through no fault of the service (an engine
+        refused its request, say): left pending, so a later read delivers it again, until it
+        has been delivered `max_deliveries` times; then dead-lettered with `reason`, which
+        says more than the reclaim pass's "delivered N times". True: dead-lettered."""
+        pending = self.r.xpending_range(e.stream, self.group, min=e.id, max=e.id, count=1)
+        delivered = int(pending[0]["times_delivered"]) if pending else 0
+        if delivered < self.max_deliveries:
+            return False
+        self.dead_letter(e, f"{reason} (delivered {delivered} times)")
+        return True
 
     def dead_letter(self, e: Entry, reason: str) -> None:
         log.error("dead-lettering %s %s: %s", e.stream, e.id, reason)

@@ -8,19 +8,30 @@ the tiny-model demo's settings.
 from __future__ import annotations
 
 import re
+import time
+from collections.abc import Callable
 from enum import StrEnum
-from typing import TYPE_CHECKING, Literal, Self
+from typing import Annotated, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+import redis
+from pydantic import BaseModel, Field, StringConstraints, ValidationInfo, field_validator, model_validator
 
 from shared import keys
 from shared.domain.envs.spec import EnvSpec
 from shared.domain.tasks.spec import TaskSpec
-
-if TYPE_CHECKING:
-    import redis
+from shared.limits import (
+    MODEL_REF_MAX,
+    SEED_MAX,
+    STOP_MAX_CHARS,
+    STOP_MAX_ITEMS,
+    TIS_CAP_MAX,
+    ModelRef,
+    Name,
+    SpecModel,
+)
 
 JOB_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,47}$")
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=STOP_MAX_CHARS)]
 
 
 class JobState(StrEnum):
@@ -32,46 +43,66 @@ class JobState(StrEnum):
     failed = "failed"
 
 
-class SamplingSpec(BaseModel):
+class SamplingSpec(SpecModel):
     """How rollout samples. Temperature 1 keeps sampler log-probs exact (see docs/architecture.md, "Weight sync")."""
-
-    model_config = ConfigDict(extra="forbid")
 
     temperature: float = Field(1.0, gt=0.0, le=2.0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     max_tokens: int = Field(8, ge=1, le=8192, description="Completion length cap.")
-    stop: list[str] = Field(
-        default_factory=list, max_length=16, description="Stop strings (not included in the completion)."
+    stop: list[StopString] = Field(
+        default_factory=list,
+        max_length=STOP_MAX_ITEMS,
+        description="Stop strings, matched literally (not patterns); not included in the completion.",
     )
 
-    @field_validator("stop")
-    @classmethod
-    def _stop_non_empty(cls, v: list[str]) -> list[str]:
-        if any(not s or len(s) > 64 for s in v):
-            raise ValueError("each stop string must be 1..64 characters")
-        return v
+
+# Option fields and the `algorithm` choice each belongs to: setting one to anything but its
+# default while another choice is selected is a 422 (it would be silently ignored).
+_OPTION_OF = {
+    "cispo_min": ("loss", "cispo"),
+    "cispo_max": ("loss", "cispo"),
+    "sapo_tau_pos": ("loss", "sapo"),
+    "sapo_tau_neg": ("loss", "sapo"),
+    "dppo_low": ("loss", "dppo_tv"),
+    "dppo_high": ("loss", "dppo_tv"),
+    "icepop_low": ("mismatch", "icepop"),
+    "icepop_high": ("mismatch", "icepop"),
+    "geo_low": ("mismatch", "geo_mask"),
+    "geo_high": ("mismatch", "geo_mask"),
+    "m2po_tau": ("mismatch", "m2po"),
+}
 
 
-class AlgorithmSpec(BaseModel):
+class AlgorithmSpec(SpecModel):
     """The trainer's algorithm choices. Defaults reproduce the original GRPO recipe.
 
     The top-level kl_coef / clip_low / clip_high / tis_cap fields of JobSpec stay where
     they are (other stages and the demo read them); this block adds what varies between
-    GRPO-family papers.
+    GRPO-family papers. Each option's names in verl, TRL, prime-rl and SkyRL: docs/losses.md.
+    Fields are validated in order, so a cross-field rule sits on the later field and its 422
+    names that field. Floats must be finite (SpecModel).
     """
 
-    model_config = ConfigDict(extra="forbid")
-
-    advantage: Literal["grpo", "dr_grpo", "rloo", "distill"] = Field(
-        "grpo",
-        description="grpo: (r - group mean) / group std; dr_grpo: r - group mean; rloo: leave-one-out baseline; "
-        "distill: per-token teacher-minus-sampler log-prob (the ref model is the teacher).",
+    advantage: Literal["grpo", "dr_grpo", "rloo", "distill", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = (
+        Field(
+            "grpo",
+            description="grpo: (r - group mean) / group std; dr_grpo: r - group mean; rloo: leave-one-out baseline; "
+            "distill: per-token teacher-minus-sampler log-prob (the ref model is the teacher); "
+            "reinforce_plus_plus: r whitened over the batch's tokens (REINFORCE++); reinforce_plus_plus_baseline: "
+            "the group mean subtracted first, then whitened over the batch.",
+        )
     )
     advantage_level: Literal["episode", "turn"] = Field(
         "episode",
         description="episode: one advantage per completion, from its reward; turn (multi-turn jobs, with grpo, "
         "dr_grpo or rloo): each model turn's tokens get the advantage of its return-to-go (its own and later turns' "
         "step rewards plus the final score), baselined against the group's episodes at the same turn index.",
+    )
+    loss: Literal["ppo_clip", "cispo", "sapo", "dppo_tv"] = Field(
+        "ppo_clip",
+        description="Policy loss: ppo_clip (PPO/GRPO/DAPO clip with clip_low/clip_high); cispo (clipped, detached IS "
+        "weight x log-prob, MiniMax-M1); sapo (sigmoid-gated soft clip); dppo_tv (total-variation trust-region mask "
+        "against the sampler, prime-rl's default).",
     )
     ratio_level: Literal["token", "sequence"] = Field(
         "token", description="PPO ratio per token (GRPO/DAPO) or per sequence (GSPO: geometric mean)."
@@ -91,12 +122,43 @@ class AlgorithmSpec(BaseModel):
     dynamic_sampling: bool = Field(
         False, description="DAPO: drop groups whose rewards are all equal (counted as dropped_zero_variance)."
     )
-    mismatch: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"] = Field(
+    mismatch: Literal[
+        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "icepop", "geo_mask", "m2po", "none"
+    ] = Field(
         "token_truncate",
+        validate_default=True,
         description="Sampler/trainer correction: importance weight trainer/sampler per token or sequence, "
-        "truncated at tis_cap or masked (zeroed) outside [mismatch_min, tis_cap].",
+        "truncated at tis_cap or masked (zeroed) outside [mismatch_min, tis_cap]; icepop: token weights zeroed "
+        "outside [icepop_low, icepop_high]; geo_mask: sequences rejected whose geometric-mean ratio is outside "
+        "[geo_low, geo_high]; m2po: the tokens with the largest squared log-ratio masked until the batch's "
+        "second moment is at most m2po_tau (for data many versions old).",
     )
     mismatch_min: float = Field(0.0, ge=0.0, le=1.0, description="Lower bound of the mismatch weight.")
+    cispo_min: float = Field(0.0, ge=0.0, lt=1.0, description="cispo: lower bound of the clipped IS weight.")
+    cispo_max: float = Field(
+        5.0, gt=1.0, le=100.0, description="cispo: upper bound of the clipped IS weight (TRL epsilon_high, ScaleRL 5)."
+    )
+    sapo_tau_pos: float = Field(1.0, gt=0.0, le=100.0, description="sapo: gate temperature where advantage > 0.")
+    sapo_tau_neg: float = Field(1.05, gt=0.0, le=100.0, description="sapo: gate temperature where advantage <= 0.")
+    dppo_low: float = Field(
+        0.2,
+        gt=0.0,
+        le=1.0,
+        description="dppo_tv: mask a token with advantage < 0 whose probability fell more than this.",
+    )
+    dppo_high: float = Field(
+        0.2,
+        gt=0.0,
+        le=1.0,
+        description="dppo_tv: mask a token with advantage > 0 whose probability rose more than this.",
+    )
+    icepop_low: float = Field(0.5, ge=0.0, lt=1.0, description="icepop: lowest trainer/sampler ratio kept.")
+    icepop_high: float = Field(2.0, gt=1.0, le=100.0, description="icepop: highest trainer/sampler ratio kept.")
+    geo_low: float = Field(0.99, gt=0.0, lt=1.0, description="geo_mask: lowest geometric-mean ratio kept.")
+    geo_high: float = Field(1.01, gt=1.0, le=10.0, description="geo_mask: highest geometric-mean ratio kept.")
+    m2po_tau: float = Field(
+        0.04, gt=0.0, le=10.0, description="m2po: bound on the batch's mean squared log-ratio (the paper's 0.04)."
+    )
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description="LR after warmup.")
     warmup_steps: int = Field(0, ge=0, le=1_000_000, description="Linear LR warmup, in optimizer steps.")
     finetune: Literal["lora", "full"] = Field("lora", description="LoRA adapter (all linear layers) or all weights.")
@@ -108,20 +170,61 @@ class AlgorithmSpec(BaseModel):
         "token's distillation advantage; 0 distills from the teacher alone.",
     )
 
+    @field_validator("ratio_level")
+    @classmethod
+    def _ratio_level_fits_loss(cls, v: str, info: ValidationInfo) -> str:
+        loss = info.data.get("loss")
+        if v == "sequence" and loss in ("cispo", "dppo_tv"):
+            raise ValueError(
+                f"algorithm.ratio_level = 'sequence' (GSPO) works with algorithm.loss 'ppo_clip' or 'sapo', not "
+                f"{loss!r}; use ratio_level 'token'"
+            )
+        return v
 
-class JobSpec(BaseModel):
+    @field_validator("mismatch")
+    @classmethod
+    def _mismatch_fits_loss(cls, v: str, info: ValidationInfo) -> str:
+        if info.data.get("loss") == "dppo_tv" and v != "none":
+            raise ValueError(
+                f"algorithm.loss = 'dppo_tv' takes its ratio and trust region against the sampler already, so a "
+                f"mismatch correction would count it twice: set algorithm.mismatch = 'none' (not {v!r})"
+            )
+        return v
+
+    @field_validator("mismatch_min")
+    @classmethod
+    def _mismatch_min_fits(cls, v: float, info: ValidationInfo) -> float:
+        mode = info.data.get("mismatch")
+        if v != 0.0 and mode in ("icepop", "geo_mask", "m2po"):
+            bounds = {"icepop": "icepop_low", "geo_mask": "geo_low", "m2po": "m2po_tau"}[mode]
+            raise ValueError(
+                f"algorithm.mismatch_min bounds the token_* and sequence_* modes; mismatch {mode!r} takes {bounds}"
+            )
+        return v
+
+    @field_validator(*_OPTION_OF)
+    @classmethod
+    def _option_needs_its_choice(cls, v: float, info: ValidationInfo) -> float:
+        name = info.field_name or ""
+        owner, choice = _OPTION_OF[name]
+        picked = info.data.get(owner)
+        if picked is not None and picked != choice and v != cls.model_fields[name].default:
+            raise ValueError(f"algorithm.{name} applies to algorithm.{owner} = {choice!r}, not {picked!r}")
+        return v
+
+
+class JobSpec(SpecModel):
     """A GRPO training job. Field docs are served in the OpenAPI schema."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field("job", description="Lowercase name, [a-z0-9-], used in job ids.")
-    base_model: str = Field(
+    name: str = Field("job", max_length=48, description="Lowercase name, [a-z0-9-], used in job ids.")
+    base_model: ModelRef = Field(
         ...,
         min_length=1,
-        description="Hub id or local path of the base model; the reference when training LoRA.",
+        description=f"Hub id or local path of the base model (at most {MODEL_REF_MAX} characters); the reference "
+        "when training LoRA.",
     )
-    task: str = Field("arith", description="Registered task name (prompt source + verifier).")
-    verifier: str = Field("", description="Verifier override; empty uses the task's own.")
+    task: Name = Field("arith", description="Registered task name (prompt source + verifier).")
+    verifier: Name = Field("", description="Verifier override; empty uses the task's own.")
     task_spec: TaskSpec = Field(default_factory=TaskSpec, description="Prompt source, template, weighted verifiers.")
     group_size: int = Field(8, ge=2, le=256, description="Completions per prompt (G).")
     batch_size: int = Field(8, ge=1, le=4096, description="Groups per optimizer step.")
@@ -130,18 +233,18 @@ class JobSpec(BaseModel):
     lora_rank: int = Field(16, ge=1, le=256, description="LoRA rank (vLLM supports 8..256).")
     lora_alpha: int = Field(32, ge=1, le=1024, description="LoRA alpha.")
     kl_coef: float = Field(0.0, ge=0.0, le=10.0, description="KL-to-reference weight; 0 skips ref.")
-    teacher: str = Field(
+    teacher: ModelRef = Field(
         "",
         description="Hub id or local path of a teacher (same tokenizer as base_model) that replaces base_model as "
         "the reference: algorithm.advantage='distill' distills from it, kl_coef > 0 regularises toward it.",
     )
     clip_low: float = Field(0.2, ge=0.0, le=1.0, description="PPO clip below 1 (epsilon_low).")
     clip_high: float = Field(0.28, ge=0.0, le=10.0, description="PPO clip above 1 (DAPO).")
-    tis_cap: float = Field(2.0, ge=1.0, description="Truncated importance-sampling cap.")
+    tis_cap: float = Field(2.0, ge=1.0, le=TIS_CAP_MAX, description="Truncated importance-sampling cap.")
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     max_staleness: int = Field(1, ge=0, le=64, description="Max policy versions a sample may lag.")
     eval_size: int = Field(64, ge=0, le=100_000, description="Held-out prompts per evaluation.")
-    seed: int = Field(0, ge=0, description="Seeds prompt order and the trainer.")
+    seed: int = Field(0, ge=0, le=SEED_MAX, description="Seeds prompt order and the trainer (0 .. 2**32 - 1).")
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     env: EnvSpec = Field(
         default_factory=EnvSpec,
@@ -153,6 +256,18 @@ class JobSpec(BaseModel):
     def _name_is_slug(cls, v: str) -> str:
         if not JOB_NAME_RE.match(v):
             raise ValueError("name must match [a-z0-9][a-z0-9-]{0,47} (lowercase, digits, '-')")
+        return v
+
+    @field_validator("base_model", "teacher")
+    @classmethod
+    def _model_ref(cls, v: str) -> str:
+        # Stages load these from the Hugging Face cache or a local folder, never over the
+        # network at run time: a URL could never load, and control characters (a newline)
+        # are in no hub id or sane path.
+        if "://" in v:
+            raise ValueError("a hub id (org/name) or a local path, not a URL")
+        if any(ord(c) < 32 or ord(c) == 127 for c in v):
+            raise ValueError("control characters (newlines, tabs, ...) are in no hub id or model path")
         return v
 
     @model_validator(mode="after")
@@ -229,11 +344,75 @@ def same_model(a: str, b: str) -> bool:
     return a == b or norm(a) == norm(b)
 
 
+class UnreadableJob(ValueError):
+    """A stored job record that does not parse as a JobRecord (written by another version, or damaged)."""
+
+
 def load_job(r: redis.Redis, job_id: str) -> JobRecord | None:
-    """The api's stored copy of a job (what every stage acts on)."""
+    """The api's stored copy of a job (what every stage acts on); None when there is none.
+
+    Raises UnreadableJob when the record is there but cannot be read: callers that serve
+    several jobs skip that one and report it, so one bad record never breaks the others.
+    """
     raw = r.hget(keys.jobs_index(), job_id)
-    return JobRecord.model_validate_json(raw) if raw else None
+    return parse_job(job_id, raw) if raw else None
 
 
-def save_job(r: redis.Redis, rec: JobRecord) -> None:
-    r.hset(keys.jobs_index(), rec.id, rec.model_dump_json())
+def parse_job(job_id: str, raw: bytes | str) -> JobRecord:
+    try:
+        return JobRecord.model_validate_json(raw)
+    except ValueError as e:  # pydantic's ValidationError is a ValueError
+        raise UnreadableJob(f"job {job_id}: stored record is unreadable: {str(e)[:300]}") from None
+
+
+def insert_job(pipe: redis.Redis | redis.client.Pipeline, rec: JobRecord) -> None:
+    """Write a new job's record (the api's create does it inside its MULTI, with the job's other
+    keys). Every later change goes through `update_job`."""
+    pipe.hset(keys.jobs_index(), rec.id, rec.model_dump_json())
+
+
+def update_job(
+    r: redis.Redis, job_id: str, change: Callable[[JobRecord], bool | None], *, attempts: int = 50
+) -> JobRecord | None:
+    """The one way to change a stored job record: read, `change(rec)`, write, under WATCH.
+
+    `change` edits the record in place and returns False to leave it as it is (nothing is
+    written). A concurrent write by another service makes the transaction retry with the
+    fresh record, so no writer ever overwrites another's change (a cancel by the api and a
+    refusal note by rollout, say). Returns the record as stored, or None when there is none.
+    """
+    key = keys.jobs_index()
+    for _ in range(attempts):
+        with r.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(key)
+                raw = pipe.hget(key, job_id)
+                if raw is None:
+                    return None
+                rec = parse_job(job_id, raw)
+                if change(rec) is False:
+                    return rec
+                rec.updated_at = time.time()
+                pipe.multi()
+                pipe.hset(key, job_id, rec.model_dump_json())
+                pipe.execute()
+                return rec
+            except redis.WatchError:
+                continue
+    raise RuntimeError(f"job {job_id}: record kept changing under {attempts} attempts to update it")
+
+
+def set_state(
+    r: redis.Redis, job_id: str, state: JobState, *, only_from: set[JobState], error: str | None = None
+) -> JobRecord | None:
+    """Move a job to `state` if it is in one of `only_from` (else leave it); `error` replaces its error."""
+
+    def change(rec: JobRecord) -> bool:
+        if rec.state not in only_from:
+            return False
+        rec.state = state
+        if error is not None:
+            rec.error = error
+        return True
+
+    return update_job(r, job_id, change)

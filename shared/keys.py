@@ -7,13 +7,32 @@ reward and ref pools, each with its own streams, ledger and policy pointer.
 
 from __future__ import annotations
 
-PREFIX = "burstrl"
+import os
+import re
+
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
+
+
+def _prefix() -> str:
+    """BURSTRL_REDIS_PREFIX, checked: a ':' in it would make stream names ambiguous to parse."""
+    p = os.environ.get("BURSTRL_REDIS_PREFIX", "burstrl")
+    if not _PREFIX_RE.match(p):
+        raise ValueError(f"BURSTRL_REDIS_PREFIX={p!r}: use 1-32 characters of [A-Za-z0-9_-]")
+    return p
+
+
+PREFIX = _prefix()
 
 # Consumer-group names, one per stage. Replicas of a stage share the group.
 GROUP_ROLLOUT = "rollout"
 GROUP_REWARD = "reward"
 GROUP_REF = "ref"
 GROUP_TRAINER = "trainer"
+
+
+def dataset() -> str:
+    """String (JSON): the identity of this Redis dataset (shared/dataset.py): {id, created_at, supersedes}."""
+    return f"{PREFIX}:dataset"
 
 
 def jobs_index() -> str:
@@ -56,11 +75,6 @@ def policy_pointer(job_id: str) -> str:
     return f"{PREFIX}:{job_id}:policy"
 
 
-def policy_events(job_id: str) -> str:
-    """Stream trainer -> rollout: one PolicyPublished entry per new version."""
-    return f"{PREFIX}:{job_id}:policy-events"
-
-
 def ledger(job_id: str) -> str:
     """Hash of counters: fed, produced, scored, trained, dropped_*, dead."""
     return f"{PREFIX}:{job_id}:ledger"
@@ -82,8 +96,18 @@ def eval_claim(job_id: str, version: int) -> str:
 
 
 def trainer_lease(job_id: str) -> str:
-    """Lease held by the one trainer process that trains a job."""
+    """Lease held by the one trainer process that trains a job: "{token} {epoch}" (shared/lease.py)."""
     return f"{PREFIX}:{job_id}:trainer-lease"
+
+
+def trainer_epoch(job_id: str) -> str:
+    """Counter: the fencing epoch of the newest lease taken on a job (only ever grows)."""
+    return f"{PREFIX}:{job_id}:trainer-epoch"
+
+
+def trainer_failures(job_id: str) -> str:
+    """Hash attempts/error/at: consecutive failed attempts to load or train a job (services/trainer/progress.py)."""
+    return f"{PREFIX}:{job_id}:trainer-failures"
 
 
 def service(role: str, replica: str) -> str:
@@ -93,6 +117,29 @@ def service(role: str, replica: str) -> str:
 
 def service_pattern() -> str:
     return f"{PREFIX}:svc:*"
+
+
+def job_key_pattern(job_id: str) -> str:
+    """SCAN pattern matching every per-job key of `job_id` (they all have job_of_stream's shape).
+
+    Glob characters in the id are escaped, so the pattern never reaches another job's keys."""
+    escaped = "".join(f"\\{c}" if c in "*?[]\\" else c for c in job_id)
+    return f"{PREFIX}:{escaped}:*"
+
+
+def job_of_stream(stream: str) -> str:
+    """The job a per-job key belongs to: `{PREFIX}:{job}:{what}` (job ids hold no ':')."""
+    head, _, rest = stream.partition(":")
+    job, sep, _ = rest.partition(":")
+    if head != PREFIX or not sep or not job:
+        raise ValueError(f"{stream!r} is not a per-job key under prefix {PREFIX!r}")
+    return job
+
+
+def stage_of_stream(stream: str) -> str:
+    """The stage stream's own name (prompts, rollouts, scored, ready, ...) of a per-job key."""
+    job_of_stream(stream)  # validates the shape
+    return stream.rsplit(":", 1)[1]
 
 
 def job_streams(job_id: str) -> dict[str, str]:

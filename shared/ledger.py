@@ -46,6 +46,10 @@ return out
 """
 
 
+class UnknownJob(KeyError):
+    """audit() of a job whose ledger does not exist."""
+
+
 def consumed(counters: dict[str, int]) -> int:
     """Groups that left the pipeline: trained, dropped for any reason, or dead-lettered."""
     dropped = sum(v for k, v in counters.items() if k.startswith("dropped_"))
@@ -74,8 +78,12 @@ def audit(r: redis.Redis, job_id: str) -> LedgerAudit:
     stages = keys.job_streams(job_id)
     raw = r.eval(AUDIT_LUA, 2 + len(stages), keys.ledger(job_id), keys.dead_letter(job_id), *stages, *stages.values())
     flat = raw[0]
+    if not flat:
+        # Every job's ledger is created with the job: none means no such job here (or a Redis
+        # that lost its data), never "balanced with nothing in it".
+        raise UnknownJob(f"no ledger for job {job_id!r} in this Redis (unknown job, or Redis lost its data)")
     counters = {_s(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
-    names = [_s(s).rsplit(":", 1)[-1] for s in stages]
+    names = [keys.stage_of_stream(s) for s in stages]
     in_streams = {name: int(raw[2 + 2 * i]) + int(raw[3 + 2 * i]) for i, name in enumerate(names)}
     a = LedgerAudit(job_id, counters, in_streams, int(raw[1]))
     physical = sum(in_streams.values())

@@ -7,23 +7,69 @@ readers verify every file's sha256 against it before use.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.store import MANIFEST, ObjectStore, StoreError, VerificationError, get_folder, put_folder
+import redis
+
+from shared import keys
+from shared.fence import refusal
+from shared.lease import FENCE_CHECK, Fence, LeaseLost
+from shared.store import MANIFEST, ObjectStore, StoreError, VerificationError, get_files, put_folder
 
 __all__ = [
     "MANIFEST",
+    "DeposedWrite",
     "Manifest",
+    "ManifestError",
     "ProbeMismatch",
     "VerificationError",
     "check_probe",
     "fetch_version",
     "latest_version",
     "make_probe",
+    "parse_manifest",
     "publish_version",
+    "read_pointer",
+    "advance_pointer",
 ]
+
+# KEYS: the lease, the pointer. ARGV: the lease value, the version. Moves the pointer only
+# forward and only for the lease holder: 1 if it moved, 0 if not newer, -1 if the lease is lost.
+ADVANCE_LUA = (
+    FENCE_CHECK
+    + """
+local cur = tonumber(redis.call('GET', KEYS[2]) or '0')
+local v = tonumber(ARGV[2])
+if v > cur then redis.call('SET', KEYS[2], v) return 1 end
+return 0
+"""
+)
+
+
+def read_pointer(r: redis.Redis, job_id: str) -> int:
+    """The newest published policy version of a job (0: the base model, nothing published yet)."""
+    return int(r.get(keys.policy_pointer(job_id)) or 0)
+
+
+def init_pointer(pipe: redis.client.Pipeline, job_id: str) -> None:
+    """A new job starts at version 0 (the base model, no adapter); inside the api's create MULTI."""
+    pipe.set(keys.policy_pointer(job_id), 0)
+
+
+def advance_pointer(r: redis.Redis, job_id: str, version: int, fence: Fence) -> bool:
+    """Announce `version` as the newest, as the holder of `fence`'s lease (docs/architecture.md,
+    invariant 10). Never moves backwards: a resumed trainer re-announcing an older version
+    changes nothing. Returns whether the pointer moved; raises LeaseLost for a deposed trainer."""
+    moved = int(r.eval(ADVANCE_LUA, 2, fence.key, keys.policy_pointer(job_id), fence.value, int(version)))
+    if moved < 0:
+        raise LeaseLost(f"job {job_id}: lease lost; not announcing v{version}")
+    return moved == 1
 
 
 def version_prefix(job_id: str, version: int) -> str:
@@ -40,6 +86,16 @@ class Manifest:
     created_at: float = field(default_factory=time.time)
     # The log-prob probe (see `make_probe`): {"token_ids": [...], "logprobs": [...]}.
     probe: dict[str, list] = field(default_factory=dict)
+    epoch: int = 0  # the writer's lease epoch (shared/fence.py); 0: written before fencing
+
+
+class ManifestError(StoreError):
+    """A version's manifest is missing, not JSON, or lacks a field or has one of the wrong
+    type: the version cannot be read at all (a reader refuses it until the manifest changes)."""
+
+
+class DeposedWrite(VerificationError):
+    """A version or checkpoint written by a trainer after another took its job over: never used."""
 
 
 class ProbeMismatch(VerificationError):
@@ -75,23 +131,98 @@ def check_probe(probe: dict[str, list], got: list[float], tolerance: float) -> f
     return mean
 
 
-def publish_version(store: ObjectStore, manifest: Manifest, files: dict[str, bytes]) -> str:
+def publish_version(
+    store: ObjectStore,
+    manifest: Manifest,
+    files: dict[str, bytes],
+    *,
+    before_manifest: Callable[[], None] | None = None,
+) -> str:
     """Write files, then the manifest naming their hashes. Returns the version prefix."""
     prefix = version_prefix(manifest.job_id, manifest.version)
     if store.exists(f"{prefix}/{MANIFEST}"):
         raise StoreError(f"{prefix} already exists: policy versions are immutable")
     meta = {k: v for k, v in manifest.__dict__.items() if k != "files"}
-    manifest.files = put_folder(store, prefix, files, meta)["files"]
+    manifest.files = put_folder(store, prefix, files, meta, before_manifest=before_manifest)["files"]
     return prefix
 
 
-def fetch_version(store: ObjectStore, job_id: str, version: int, dest: Path) -> Manifest:
-    """Download a version into a fresh folder `dest`, verifying every hash."""
-    meta, files = get_folder(store, version_prefix(job_id, version))
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "job_id": (str,),
+    "version": (int,),
+    "step": (int,),
+    "base_model": (str,),
+    "files": (dict,),
+    "created_at": (int, float),
+    "probe": (dict,),
+    "epoch": (int,),
+}
+_REQUIRED = ("job_id", "version", "step", "base_model", "files")
+assert set(_FIELD_TYPES) == {f.name for f in dataclasses.fields(Manifest)}
+
+
+def parse_manifest(raw: bytes, where: str = "manifest") -> Manifest:
+    """A version's manifest from its bytes; raises ManifestError, naming what is wrong.
+
+    Manifests come from the store, which a reader must not trust (docs/architecture.md,
+    invariant 8): every field is type-checked here, so nothing downstream meets a KeyError
+    or a TypeError from a forged or torn manifest. File names are plain names: a reader
+    writes each file into its own folder, and `../x` must not leave it."""
+    try:
+        meta = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ManifestError(f"{where}: not JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise ManifestError(f"{where}: not a JSON object")
+    if missing := [k for k in _REQUIRED if k not in meta]:
+        raise ManifestError(f"{where}: missing {', '.join(missing)}")
+    if unknown := sorted(set(meta) - set(_FIELD_TYPES)):
+        raise ManifestError(f"{where}: unknown fields {', '.join(unknown)}")
+    for k, v in meta.items():
+        if not isinstance(v, _FIELD_TYPES[k]) or isinstance(v, bool):
+            raise ManifestError(f"{where}: {k} is {type(v).__name__}, not {_FIELD_TYPES[k][0].__name__}")
+    for name, digest in meta["files"].items():
+        if not name or "/" in name or "\\" in name or name in (".", "..") or not isinstance(digest, str):
+            raise ManifestError(f"{where}: bad file entry {name!r}: {digest!r}")
+    probe = meta.get("probe") or {}
+    if probe:
+        ids, lps = probe.get("token_ids"), probe.get("logprobs")
+        if (
+            set(probe) != {"token_ids", "logprobs"}
+            or not isinstance(ids, list)
+            or not isinstance(lps, list)
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+            or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in lps)
+            or len(ids) < 2
+            or len(lps) != len(ids) - 1
+        ):
+            raise ManifestError(f"{where}: probe is not {{token_ids: n >= 2 ints, logprobs: n - 1 numbers}}")
+    return Manifest(**meta)
+
+
+def read_manifest(store: ObjectStore, job_id: str, version: int) -> Manifest:
+    """A version's manifest alone (no file is read or verified)."""
+    key = f"{version_prefix(job_id, version)}/{MANIFEST}"
+    return parse_manifest(store.get(key), key)
+
+
+def fetch_version(
+    store: ObjectStore, job_id: str, version: int, dest: Path, *, manifest: Manifest | None = None
+) -> Manifest:
+    """Download a version into a fresh folder `dest`, verifying every hash and that no deposed
+    trainer wrote it (raises DeposedWrite, a VerificationError, then).
+
+    `manifest`: the version's manifest as the caller already read it (rollout keys its
+    decisions on those exact bytes); the files are checked against it, not re-read."""
+    if manifest is None:
+        manifest = read_manifest(store, job_id, version)
+    files = get_files(store, version_prefix(job_id, version), manifest.files)
+    if why := refusal(store, job_id, "version", version, manifest.epoch):
+        raise DeposedWrite(why)
     dest.mkdir(parents=True, exist_ok=True)
     for name, data in files.items():
         (dest / name).write_bytes(data)
-    return Manifest(**meta)
+    return manifest
 
 
 def latest_version(store: ObjectStore, job_id: str) -> int:

@@ -1,6 +1,6 @@
 """Every message that crosses Redis, typed and versioned (msgspec).
 
-Stage streams carry msgpack (PromptMsg, GroupMsg, PolicyPublished, DeadLetter); the
+Stage streams carry msgpack (PromptMsg, GroupMsg, DeadLetter); the
 metrics stream and the service heartbeats carry JSON (people and dashboards read them).
 Direction is in each type's docstring. Token ids and log-probs travel as packed
 little-endian arrays (int32 / float32 bytes): ~4x smaller than msgpack lists and
@@ -99,15 +99,6 @@ class GroupMsg(Message, tag="group", kw_only=True):
     sampled_at: float = 0.0
 
 
-class PolicyPublished(Message, tag="policy", kw_only=True):
-    """trainer -> rollout: version N of a job's policy is complete in the object store."""
-
-    version: int
-    path: str  # store key prefix of the version folder
-    step: int
-    published_at: float
-
-
 class DeadLetter(msgspec.Struct, kw_only=True):
     """any stage -> dead stream: what could not be handled, and why."""
 
@@ -135,11 +126,16 @@ class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
     reasons: dict[str, str] = {}
     at: float
     # Gauges some roles add: rollout and trainer the policy version they serve per job;
-    # reward whether code rewards can run; ref which model and engine it scores with.
+    # reward whether code rewards can run; ref which model and engine it scores with;
+    # rollout its base model and context length (the api refuses a job whose
+    # sampling.max_tokens cannot fit it; 0: not advertised).
     policy_versions: dict[str, int] = {}
+    dataset: str = ""  # the Redis dataset id this replica started on (shared/dataset.py)
     sandbox: str = ""
     ref_model: str = ""
     ref_engine: str = ""
+    rollout_model: str = ""
+    max_model_len: int = 0
 
 
 # Top level flat (one series per key); a value may be a small dict or list (histograms, parts).
@@ -180,7 +176,7 @@ def decode_heartbeat(data: bytes) -> Heartbeat:
     return _beat_decoder.decode(data)
 
 
-AnyMessage = PromptMsg | GroupMsg | PolicyPublished
+AnyMessage = PromptMsg | GroupMsg
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMessage)
 T = TypeVar("T", bound=Message)

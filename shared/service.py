@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from shared import __version__, keys
+from shared.dataset import DatasetGuard
 from shared.redis_conn import RedisPolicyError, check_server, connect, refusal
 from shared.schema import Heartbeat, encode_heartbeat
 from shared.settings import DEFAULT_PORTS, CommonSettings
@@ -99,6 +100,7 @@ class ServiceRuntime:
         self.errors = Counter("burstrl_errors", "Errors survived by the worker loop", ["kind"], registry=self.registry)
         self.up = Gauge("burstrl_ready", "1 when /readyz is ok", registry=self.registry)
         self.redis = connect(settings.redis_url)
+        self.dataset = DatasetGuard(self.redis)
         self.auth = Depends(bearer_auth(settings))
         self.app = self._build_app()
         self.started_at = time.time()
@@ -156,7 +158,8 @@ class ServiceRuntime:
         while not self.stop.is_set():
             try:
                 self.redis.ping()
-                self.health.set("redis", True)
+                lost = self.dataset.check()
+                self.health.set("redis", not lost, lost)
                 ok, checks = self.health.snapshot()
                 beat = Heartbeat(
                     role=self.role,
@@ -167,6 +170,7 @@ class ServiceRuntime:
                     ready=ok,
                     reasons={k: c["reason"] for k, c in checks.items() if not c["ok"]},
                     at=time.time(),
+                    dataset=self.dataset.id,
                     **self.gauges,
                 )
                 key = keys.service(self.role, self.settings.replica)
@@ -196,6 +200,7 @@ class ServiceRuntime:
         except RedisPolicyError as e:
             log.critical("%s", e)
             raise SystemExit(2) from e
+        log.info("redis: dataset %s", self.dataset.attach())
         self.health.set("redis", True)
 
     # -- worker helpers ------------------------------------------------------------
@@ -203,9 +208,15 @@ class ServiceRuntime:
         """Run one worker iteration; on error, report it and back off instead of dying.
 
         A lost Redis makes the service not-ready (with the reason) until it is back;
-        any other error is logged and counted, and the loop goes on.
+        any other error is logged and counted, and the loop goes on. While Redis has lost
+        the dataset this service started on, the worker pauses: acting on an emptied Redis
+        would only recreate state that hides the loss.
         """
         try:
+            if lost := self.dataset.check():
+                self.health.set("redis", False, lost)
+                self.stop.wait(max(backoff_s, 2.0))
+                return
             fn()
         except redis.ConnectionError as e:
             self.health.set("redis", False, f"unreachable: {e}")

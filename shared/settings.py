@@ -59,6 +59,15 @@ class CommonSettings(BaseSettings):
     heartbeat_s: float = Field(
         2.0, validation_alias="BURSTRL_HEARTBEAT_S", gt=0, description="Heartbeat period into Redis."
     )
+    claim_idle_s: float = Field(
+        120.0,
+        validation_alias="BURSTRL_CLAIM_IDLE_S",
+        gt=0,
+        le=86_400,
+        description="An entry pending this long on a consumer that still heartbeats is taken over by another "
+        "replica (XAUTOCLAIM); set it above the slowest stage's handling time (long completions on slow cards). "
+        "Entries of a replica whose heartbeat expired are taken over at once.",
+    )
 
     @model_validator(mode="after")
     def _token_required_outside_dev(self) -> Self:

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
@@ -36,6 +37,7 @@ class ObjectStore(Protocol):
     def get(self, key: str) -> bytes: ...
     def exists(self, key: str) -> bool: ...
     def list(self, prefix: str) -> list[str]: ...
+    def list_dirs(self, prefix: str) -> list[str]: ...
     def delete(self, key: str) -> None: ...
 
 
@@ -53,8 +55,14 @@ class FileStore:
 
     def put(self, key: str, data: bytes) -> None:
         p = self._path(key)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tmp-")
+        for attempt in range(3):  # a concurrent delete may remove the folder it just emptied
+            p.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tmp-")
+                break
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -82,8 +90,24 @@ class FileStore:
             str(p.relative_to(self.root)) for p in base.rglob("*") if p.is_file() and not p.name.startswith(".tmp-")
         )
 
+    def list_dirs(self, prefix: str) -> list[str]:
+        """Names one level below `prefix` (a folder, ending in '/') that hold objects."""
+        base = self._path(prefix) if prefix.strip("/") else self.root
+        if not base.is_dir():
+            return []
+        return sorted(p.name for p in base.iterdir() if p.is_dir() and not p.name.startswith(".tmp-"))
+
     def delete(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
+        p = self._path(key)
+        p.unlink(missing_ok=True)
+        # Like S3, a folder exists only while it holds objects: remove the ones left empty.
+        for parent in p.parents:
+            if parent == self.root or self.root not in parent.parents:
+                break
+            try:
+                parent.rmdir()
+            except OSError:  # not empty (or already gone)
+                break
 
 
 class S3Store:
@@ -133,6 +157,15 @@ class S3Store:
             out.extend(o["Key"][strip:] for o in page.get("Contents", []))
         return sorted(out)
 
+    def list_dirs(self, prefix: str) -> list[str]:
+        """Names one level below `prefix` (ending in '/'), from S3's common prefixes: no full listing."""
+        out: list[str] = []
+        want = self._k(prefix)
+        pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=want, Delimiter="/")
+        for page in pages:
+            out.extend(p["Prefix"][len(want) :].strip("/") for p in page.get("CommonPrefixes", []))
+        return sorted(out)
+
     def delete(self, key: str) -> None:
         self.s3.delete_object(Bucket=self.bucket, Key=self._k(key))
 
@@ -149,15 +182,26 @@ def open_store(url: str) -> ObjectStore:
     raise StoreError(f"STORE_URL {url!r}: scheme must be file:// or s3://")
 
 
-def put_folder(store: ObjectStore, prefix: str, files: dict[str, bytes], meta: dict[str, Any]) -> dict[str, Any]:
+def put_folder(
+    store: ObjectStore,
+    prefix: str,
+    files: dict[str, bytes],
+    meta: dict[str, Any],
+    *,
+    before_manifest: Callable[[], None] | None = None,
+) -> dict[str, Any]:
     """Write files, then manifest.json (meta + each file's sha256) last.
 
     The folder exists once its manifest does: a crash mid-upload leaves no folder.
-    Policy versions and trainer checkpoints are both such folders.
+    Policy versions and trainer checkpoints are both such folders. `before_manifest` runs
+    between the files and the manifest and may raise to leave the folder nonexistent (the
+    trainer checks it still holds its lease there: a long upload may have outlived it).
     """
     manifest = {**meta, "files": {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}}
     for name, data in files.items():
         store.put(f"{prefix}/{name}", data)
+    if before_manifest is not None:
+        before_manifest()
     store.put(f"{prefix}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
     return manifest
 
@@ -165,11 +209,16 @@ def put_folder(store: ObjectStore, prefix: str, files: dict[str, bytes], meta: d
 def get_folder(store: ObjectStore, prefix: str) -> tuple[dict[str, Any], dict[str, bytes]]:
     """The manifest and every file of a folder, each checked against its sha256."""
     manifest = json.loads(store.get(f"{prefix}/{MANIFEST}"))
+    return manifest, get_files(store, prefix, manifest["files"])
+
+
+def get_files(store: ObjectStore, prefix: str, digests: dict[str, str]) -> dict[str, bytes]:
+    """The files `digests` names (name -> sha256) under prefix, each checked against its sha256."""
     files = {}
-    for name, digest in manifest["files"].items():
+    for name, digest in digests.items():
         data = store.get(f"{prefix}/{name}")
         got = hashlib.sha256(data).hexdigest()
         if got != digest:
             raise VerificationError(f"{prefix}/{name}: sha256 {got[:12]} != manifest {digest[:12]}")
         files[name] = data
-    return manifest, files
+    return files

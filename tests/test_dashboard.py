@@ -17,7 +17,9 @@ import pytest
 
 from services.cli.launch import Launcher, free_port
 from shared import keys
+from shared.lease import Lease
 from shared.metrics import record_eval, record_point
+from shared.policy import advance_pointer
 from shared.schema import Heartbeat, encode_heartbeat
 
 TOKEN = "dashboard-test-token-0123456789"
@@ -84,7 +86,10 @@ def _seed_job(base: str, r) -> str:
     for v in range(3):
         record_eval(r, job_id, v, {"accuracy": 0.2 + 0.1 * v, "greedy_accuracy": 0.3 + 0.1 * v, "mean_reward": 0.2})
     # A rollout replica one version behind the pointer, as its heartbeat would say.
-    r.set(keys.policy_pointer(job_id), 3)
+    lease = Lease(r, job_id, "test-trainer", 60)
+    assert lease.acquire()
+    advance_pointer(r, job_id, 3, lease.fence)
+    lease.release()
     r.set(
         keys.service("rollout", "fake-0"),
         encode_heartbeat(

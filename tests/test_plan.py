@@ -17,7 +17,7 @@ from services.plan.memory import (
     GB,
     Method,
     ServeSettings,
-    TrainerSettings,
+    TrainerKnobs,
     Workload,
     kv_bytes_per_group,
     largest_micro_batch,
@@ -84,7 +84,8 @@ def test_card_specs_and_user_catalog(tmp_path: Path) -> None:
         ("mi50-32", 3),
         ("h100", 2),
     ]
-    assert cat.get("mi50-16").train_dtype == "fp16"  # gfx906 has no bf16
+    # gfx906 has no bf16: it serves in fp16, and trains in fp32 (the trainer has no fp16 mode).
+    assert (cat.get("mi50-16").serve_dtype, cat.get("mi50-16").train_dtype) == ("fp16", "fp32")
     extra = tmp_path / "cards.toml"
     extra.write_text("[cards.rtx3090]\nmemory_gb = 24\nbf16_tflops = 71\nbandwidth_gbs = 936\n")
     cat = cat.extend_from_file(extra)
@@ -95,7 +96,7 @@ def test_card_specs_and_user_catalog(tmp_path: Path) -> None:
 
 def test_full_fp32_static_is_16_bytes_per_param() -> None:
     shape = resolve_shape("Qwen2.5-0.5B")
-    s = TrainerSettings(dtype="fp32", overhead_gb=0, fragmentation=0)
+    s = TrainerKnobs(dtype="fp32", overhead_gb=0, fragmentation=0)
     comp = trainer_memory(shape, Method(kind="full"), W, s).components
     static = comp["weights"] + comp["optimizer"] + comp["grads"]
     assert static == pytest.approx(16 * shape.n_params)  # params + grads + Adam m, v
@@ -103,7 +104,7 @@ def test_full_fp32_static_is_16_bytes_per_param() -> None:
 
 def test_lora_static_is_base_weights_plus_small_adapter() -> None:
     shape = resolve_shape("Qwen2.5-7B")
-    comp = trainer_memory(shape, Method(rank=16), W, TrainerSettings()).components
+    comp = trainer_memory(shape, Method(rank=16), W, TrainerKnobs()).components
     assert comp["weights"] == pytest.approx(2 * shape.n_params)
     assert (
         comp["adapter"] + comp["optimizer"] + comp["grads"] < 0.05 * comp["weights"]
@@ -112,12 +113,12 @@ def test_lora_static_is_base_weights_plus_small_adapter() -> None:
 
 def test_every_memory_saver_lowers_the_peak() -> None:
     shape, lora, full = resolve_shape("Qwen2.5-1.5B"), Method(), Method(kind="full")
-    base = TrainerSettings(micro_batch=4)
+    base = TrainerKnobs(micro_batch=4)
 
     def peak(method: Method, **update: object) -> float:
         return trainer_memory(shape, method, W, base.model_copy(update=update)).peak_bytes
 
-    assert peak(lora, grad_checkpointing=True) < peak(lora)
+    assert peak(lora, gradient_checkpointing=True) < peak(lora)
     assert peak(lora, logits_chunk=512) < peak(lora)
     assert peak(lora, base_bits=4) < peak(lora)
     assert peak(full, optimizer="adamw8bit") < peak(full)

@@ -141,6 +141,30 @@ def test_endpoint_bounds_concurrency_without_blocking_the_server(reward_url: str
     assert time.monotonic() - t0 >= 2.0  # one slot (BURSTRL_REWARD_TOOL_CONCURRENCY=1): one after the other
 
 
+@pytest.mark.slow
+def test_endpoint_survives_forged_reports(reward_url: str) -> None:
+    # A solution that wrote to the old report pipe (fd 4) made this route answer 500.
+    for forged in ("b'[' * 100000", repr(b'{"i": 0, "ret": 5}\n')):
+        code = f"import os\nprint('hi')\nos.write(4, {forged})\n"
+        r = httpx.post(f"{reward_url}/v1/sandbox/run", json={"code": code, "timeout_s": 3}, headers=AUTH, timeout=15)
+        assert r.status_code == 200, r.text
+        assert r.json()["reason"] == "runtime_error:OSError" and r.json()["stdout"] == "hi\n", r.json()
+    ok = httpx.post(f"{reward_url}/v1/sandbox/run", json={"code": "print(1)"}, headers=AUTH, timeout=15)
+    assert ok.json()["stdout"] == "1\n"
+
+
+@pytest.mark.slow
+def test_a_tiny_timeout_ends_as_a_wall_time_limit_at_once(reward_url: str) -> None:
+    # timeout_s=1e-9 used to hold the request 5 s: longer than the python tool waits for an
+    # answer (timeout_s + 2 s), so the tool said "unavailable" instead of the limit.
+    body = {"code": "print(1)", "timeout_s": 1e-9}
+    r = httpx.post(f"{reward_url}/v1/sandbox/run", json=body, headers=AUTH, timeout=3)
+    assert r.status_code == 200 and r.json()["reason"] == "wall_time_limit", r.text
+    env = PythonEnv(tools=ToolSettings(sandbox_url=reward_url, api_key=TOKEN, timeout_s=1e-9))
+    env.reset("", {})
+    assert env.step("<python>print(1)</python>").observation == "<output>error: wall_time_limit</output>\n"
+
+
 # -- the "python" environment --------------------------------------------------------------
 def _remote(url: str, **kw: object) -> PythonEnv:
     env = PythonEnv(tools=ToolSettings(sandbox_url=url, api_key=TOKEN, timeout_s=2.0), **kw)  # type: ignore[arg-type]

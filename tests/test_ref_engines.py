@@ -17,8 +17,9 @@ import pytest
 
 from bench.rollout_common import wait_vllm_server
 from services.cli.launch import free_port, terminate
-from services.ref.engine import HFScorer, Rejected, Scorer, Seq, build_scorer
+from services.ref.engine import HFScorer, RefScorer, Rejected, Seq, build_scorer
 from services.ref.settings import RefSettings
+from tests.conftest import FP32_LOGPROB_TOL
 
 pytestmark = pytest.mark.slow
 TOL = 1e-4  # max |difference| per token between engines (fp32 everywhere)
@@ -47,7 +48,7 @@ def hf_logprobs(tiny_model: Path, seqs: list[Seq]) -> list[list[float]]:
     return HFScorer(str(tiny_model), max_batch_tokens=64).score(seqs)  # small chunks: several forwards
 
 
-def _agree(scorer: Scorer, seqs: list[Seq], want: list[list[float]]) -> float:
+def _agree(scorer: RefScorer, seqs: list[Seq], want: list[list[float]]) -> float:
     got = scorer.score(seqs)
     assert [len(g) for g in got] == [len(c) for _, c in seqs]
     worst = max(abs(a - b) for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
@@ -58,11 +59,11 @@ def _agree(scorer: Scorer, seqs: list[Seq], want: list[list[float]]) -> float:
 def test_hf_batching_does_not_change_numbers(tiny_model: Path, seqs: list[Seq], hf_logprobs) -> None:  # noqa: ANN001
     one_by_one = [HFScorer(str(tiny_model)).score([s])[0] for s in seqs[:3]]
     for a, b in zip(one_by_one, hf_logprobs[:3], strict=True):
-        assert a == pytest.approx(b, abs=1e-5)
+        assert a == pytest.approx(b, **FP32_LOGPROB_TOL)
 
 
 @pytest.fixture(scope="class")
-def vllm_scorer(tiny_model: Path) -> Iterator[Scorer]:
+def vllm_scorer(tiny_model: Path) -> Iterator[RefScorer]:
     from services.ref.engine import VllmScorer
 
     sc = VllmScorer(str(tiny_model), dtype="float32")

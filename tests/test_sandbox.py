@@ -141,8 +141,8 @@ def test_writes_outside_its_directory_fail(tmp_path: Path) -> None:
 def test_overwriting_the_harness_fails() -> None:
     before = HARNESS_PATH.read_bytes()
     code = f"open({str(HARNESS_PATH)!r}, 'w').write('print(\"PASS\")')\n"
-    # Read-only mounts refuse it; where the checkout lives under /tmp (CI clones), the path is
-    # not even visible in the sandbox's private /tmp. Either way: refused, file unchanged.
+    # The checkout is not even in the sandbox's root (only the interpreter is); were it there,
+    # the read-only mount would refuse it. Either way: refused, file unchanged.
     reasons = ("runtime_error:PermissionError", "runtime_error:OSError", "runtime_error:FileNotFoundError")
     assert_zero(run_code(code, ADD, TIGHT), *reasons)
     assert HARNESS_PATH.read_bytes() == before

@@ -203,3 +203,52 @@ def test_scorer_in_processes_with_deadline(tmp_path: Path, monkeypatch: pytest.M
         assert scorer.score([work("mathword", ["\\boxed{1/2}"], {"answer": "0.5"})]) == [[{"correct": 1.0}]]
     finally:
         scorer.close()
+
+
+def test_reward_skips_an_unreadable_job_record_and_scores_the_rest(r) -> None:  # noqa: ANN001
+    """Issue 18, item 12: one record no reader can parse fails neither the batch nor the others."""
+    from services.reward.worker import handle
+    from shared import keys
+    from shared.bus import FIELD, Bus
+    from shared.job import JobRecord, JobSpec, JobState, insert_job
+    from shared.schema import Completion, GroupMsg, decode_dead, encode, pack_f32, pack_i32, pack_u8
+
+    def group(job_id: str) -> GroupMsg:
+        c = Completion(
+            token_ids=pack_i32([1]), logprobs=pack_f32([-1.0]), loss_mask=pack_u8([1]), text="3", finish_reason="stop"
+        )
+        return GroupMsg(
+            job_id=job_id,
+            group_id=f"{job_id}:g0",
+            item_id="i",
+            prompt="p",
+            prompt_ids=pack_i32([1]),
+            fields={"answer": "3"},
+            policy_version=0,
+            completions=[c, c],
+        )
+
+    now = time.time()
+    for job_id in ("good-000000", "bad-000000"):
+        rec = JobRecord(
+            id=job_id,
+            spec=JobSpec(base_model="m", group_size=2),
+            state=JobState.running,
+            created_at=now,
+            updated_at=now,
+        )
+        Bus.ensure_groups(r, job_id)
+        insert_job(r, rec)
+        r.xadd(keys.rollouts(job_id), {FIELD: encode(group(job_id))})
+    r.hset(keys.jobs_index(), "bad-000000", json.dumps({"id": "bad-000000", "spec": {"tis_cap": None}}))
+    bus = Bus(r, keys.GROUP_REWARD, "reward-0")
+    entries = bus.read([keys.rollouts("good-000000"), keys.rollouts("bad-000000")], count=10, block_ms=100)
+    assert len(entries) == 2
+    scorer = Scorer(workers=0, plugins=[])
+    try:
+        assert handle(bus, entries, scorer) == 1
+    finally:
+        scorer.close()
+    assert r.xlen(keys.ready("good-000000")) == 1
+    (dead,) = [decode_dead(f[FIELD]).reason for _, f in r.xrange(keys.dead_letter("bad-000000"))]
+    assert "unreadable" in dead

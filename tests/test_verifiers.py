@@ -80,6 +80,25 @@ def test_regex_and_format() -> None:
         run("regex", ["x"], pattern="(")
 
 
+def test_catastrophic_patterns_match_in_linear_time() -> None:
+    """`(a+)+$` backtracked exponentially under Python's re (24 characters: 1.7 s, doubling per
+    character); under RE2 a 100k-character miss is as quick as any other match."""
+    text = "a" * 100_000 + "b"
+    assert run("regex", [text, "aaaa"], pattern="(a+)+$") == [0.0, 1.0]
+    assert run("regex", [text], pattern="^(a|aa)+$", mode="fullmatch") == [0.0]
+    assert run("format", ["<think>" + "x" * 50_000, "<think>a</think><answer>1</answer>"]) == [0.0, 1.0]
+
+
+def test_regex_flags_under_re2() -> None:
+    assert run("regex", ["x\nANSWER: 7"], pattern="^answer: \\d$", flags="im") == [1.0]
+    assert run("regex", ["a\nb"], pattern="a.b", flags="s") == [1.0]
+    assert run("regex", ["a\nb"], pattern="a.b") == [0.0]
+    with pytest.raises(VerifierError, match="RE2"):
+        run("regex", ["x"], pattern="(?<=a)b")
+    with pytest.raises(VerifierError, match="flags"):
+        run("regex", ["x"], pattern="x", flags="x")
+
+
 def test_overlong_penalty_is_dapos() -> None:
     # L=20, cache 4: 0 up to 16 tokens, linear to -1 at 20, -1 beyond
     got = run("overlong", ["a"] * 5, completion_tokens=[10, 16, 18, 20, 25], max_tokens=20, cache=4)
@@ -164,6 +183,22 @@ def test_unreachable_rm_is_an_error_tag_not_a_crash(monkeypatch: pytest.MonkeyPa
     comps = [VerifierRef(name="http", args={"url": "http://127.0.0.1:9/score", "timeout_s": 1})]
     parts = score_components(comps, ["a", "b"], {})
     assert parts == [{"http": 0.0, "http!error:ConnectError": 0.0}] * 2
+
+
+@pytest.mark.skipif(not check_isolation()[0], reason="sandbox unavailable here")
+def test_a_forged_sandbox_report_does_not_zero_honest_siblings() -> None:
+    # One solution writing to the sandbox's old report pipe (fd 4) made run_code raise, and the
+    # whole group scored 0 tagged error:TypeError / error:RecursionError.
+    tests = json.dumps([{"stdin": "1 2", "stdout": "3"}, {"stdin": "5 7", "stdout": "12"}])
+    honest = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+    forged = [
+        '```python\nimport os\nos.write(4, b\'{"i": 0, "ret": 5}\\n\')\n```',
+        "```python\nimport os\nos.write(4, b'[' * 100000)\n```",
+    ]
+    parts = score_components([VerifierRef(name="code")], [honest, *forged, honest], {"tests": tests})
+    assert parts[0] == {"code": 1.0} and parts[3] == {"code": 1.0}, parts
+    for p in parts[1:3]:
+        assert p["code"] == 0.0 and not any(k.startswith("code!error:") for k in p), p
 
 
 # -- combinations, registry, plugins ---------------------------------------------------

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, FastAPI, HTTPException, Query
+from fastapi import APIRouter, FastAPI, HTTPException, Query, Response
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
-from services.api import jobs, overview
+from services.api import http_limits, jobs, overview, recovery
+from services.api.checks import SpecProblem
 from shared import keys
-from shared.domain.tasks import task_for_job
-from shared.job import JobRecord, JobSpec
+from shared.domain.envs import load_env_plugins
+from shared.domain.verifiers import load_plugins
+from shared.job import JobRecord, JobSpec, UnreadableJob
 from shared.metrics import read_points
 from shared.service import ServiceRuntime
+from shared.store import ObjectStore
 
 STATIC = Path(__file__).resolve().parent / "static"
 # Paths served without a token: liveness/readiness/Prometheus (scrapers and probes carry
@@ -34,38 +38,115 @@ PAGE_HEADERS = {
 }
 
 
+# Ids of unreadable job records, on GET /v1/jobs (which lists only the readable ones).
+UNREADABLE_HEADER = "X-Burstrl-Unreadable-Jobs"
+UNREADABLE_HEADER_MAX = 50  # ids listed in the header; /v1/dashboard has them all, with reasons
+NOT_FOUND = {404: {"description": "No such job"}}
+UNREADABLE = {409: {"description": "The job's stored record is unreadable (DELETE /v1/jobs/{job_id} removes it)"}}
+
+
 def _not_found(job_id: str) -> HTTPException:
     return HTTPException(404, f"no job {job_id!r}")
 
 
-def build_routes(rt: ServiceRuntime) -> FastAPI:
+def _unreadable(job_id: str, e: UnreadableJob) -> HTTPException:
+    return HTTPException(409, f"{e}; no stage serves it; DELETE /v1/jobs/{job_id} removes it")
+
+
+def build_routes(rt: ServiceRuntime, store: ObjectStore | None = None) -> FastAPI:
     r = rt.redis
+    settings = rt.settings
+    # Jobs may name plugin verifiers, tasks and environments: load what the services load.
+    load_plugins(getattr(settings, "reward_plugin_modules", []))
+    load_env_plugins(getattr(settings, "env_plugin_modules", []))
     router = APIRouter(prefix="/v1", dependencies=[rt.auth])
 
-    @router.post("/jobs", status_code=201, tags=["jobs"], responses={422: {"description": "Invalid spec"}})
+    @router.get("/orphans", tags=["jobs"])
+    def orphans() -> list[dict[str, Any]]:
+        """Jobs the object store holds but Redis does not know (Redis lost them): recoverable or not, and why."""
+        return [asdict(o) for o in recovery.orphaned_jobs(r, store)] if store is not None else []
+
+    @router.post("/orphans/recover", tags=["jobs"])
+    def recover(job: Annotated[list[str] | None, Query(max_length=1000)] = None) -> dict[str, list[str]]:
+        """Register orphaned jobs again from the store (all recoverable ones, or those named by `job`)."""
+        if store is None:
+            raise HTTPException(409, "this api has no object store configured (STORE_URL)")
+        return {"recovered": recovery.recover_jobs(r, store, job)}
+
+    @router.post(
+        "/jobs",
+        status_code=201,
+        tags=["jobs"],
+        responses={413: {"description": "Body too large"}, 422: {"description": "Invalid spec"}},
+    )
     def create_job(spec: JobSpec) -> JobRecord:
-        # JobSpec cannot check the task registry or a task's data source; an unknown task
-        # would be accepted here and only fail later in the feeder (docs/architecture.md, invariant 8).
+        """Submit a job. Besides the spec's own ranges, it is checked against what is registered
+        (task, verifiers and their args, environment), its prompt source (read here) and the
+        context of the rollout replicas serving its base model: a 422 names the field."""
         try:
-            task_for_job(spec)
-        except (KeyError, ValueError, TypeError, OSError) as e:
-            field = "task" if isinstance(e, KeyError) else "task_spec"
-            msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-            raise HTTPException(
-                422, [{"type": "value_error", "loc": ["body", field], "msg": str(msg), "input": spec.task}]
-            ) from None
-        return jobs.create_job(r, spec=spec)
+            rec = jobs.create_job(r, spec=spec)
+        except SpecProblem as e:
+            raise HTTPException(422, e.detail()) from None
+        if store is not None:  # the copy recovery needs, should Redis ever lose the job
+            recovery.save_job_copy(store, rec)
+        return rec
 
-    @router.get("/jobs", tags=["jobs"])
-    def list_jobs() -> list[JobRecord]:
-        return jobs.list_jobs(r)
+    @router.get(
+        "/jobs",
+        tags=["jobs"],
+        responses={
+            200: {
+                "headers": {
+                    UNREADABLE_HEADER: {
+                        "description": f"Comma-separated ids (at most {UNREADABLE_HEADER_MAX}) of stored job "
+                        "records that cannot be read and are left out of the list",
+                        "schema": {"type": "string"},
+                    }
+                }
+            }
+        },
+    )
+    def list_jobs(response: Response) -> list[JobRecord]:
+        """Every readable job, oldest first; unreadable records are named in a header, not listed."""
+        recs, unreadable = jobs.read_jobs(r)
+        if unreadable:
+            response.headers[UNREADABLE_HEADER] = ",".join(sorted(unreadable)[:UNREADABLE_HEADER_MAX])
+        return recs
 
-    @router.get("/jobs/{job_id}", tags=["jobs"], responses={404: {"description": "No such job"}})
+    @router.get("/jobs/{job_id}", tags=["jobs"], responses={**NOT_FOUND, **UNREADABLE})
     def get_job(job_id: str) -> dict[str, Any]:
+        """The job, its policy version, ledger, evaluations, last step, and `warnings` (an unchecked
+        rollout context, completions cut off at the length limit)."""
         try:
             return jobs.job_status(r, job_id=job_id)
         except jobs.JobNotFound:
             raise _not_found(job_id) from None
+        except UnreadableJob as e:
+            raise _unreadable(job_id, e) from None
+
+    @router.delete(
+        "/jobs/{job_id}",
+        tags=["jobs"],
+        responses={**NOT_FOUND, 409: {"description": "The job is pending, running or paused, or a trainer holds it"}},
+    )
+    def delete_job(
+        job_id: str,
+        purge_store: Annotated[
+            bool, Query(description="Also delete the job's policy versions and checkpoints from the object store.")
+        ] = False,
+    ) -> dict[str, Any]:
+        """Delete a job that is not live (cancel it first): every Redis key of it. Its artifacts in
+        the object store (policy versions, checkpoints) are kept, marked deleted on purpose (so
+        they are not listed as orphans), unless `purge_store=true`. An unreadable record can
+        always be deleted."""
+        if purge_store and store is None:
+            raise HTTPException(409, "this api has no object store configured (STORE_URL): nothing to purge")
+        try:
+            return jobs.delete_job(r, job_id=job_id, store=store, purge_store=purge_store)
+        except jobs.JobNotFound:
+            raise _not_found(job_id) from None
+        except jobs.BadTransition as e:
+            raise HTTPException(409, str(e)) from None
 
     @router.get("/jobs/{job_id}/metrics", tags=["jobs"], responses={404: {"description": "No such job"}})
     def job_metrics(
@@ -86,7 +167,7 @@ def build_routes(rt: ServiceRuntime) -> FastAPI:
             f"/jobs/{{job_id}}/{action}",
             tags=["jobs"],
             name=f"{action}_job",
-            responses={404: {"description": "No such job"}, 409: {"description": "Not allowed in this state"}},
+            responses={**NOT_FOUND, 409: {"description": "Not allowed in this state, or the record is unreadable"}},
         )
         def act(job_id: str) -> JobRecord:
             try:
@@ -95,6 +176,8 @@ def build_routes(rt: ServiceRuntime) -> FastAPI:
                 raise _not_found(job_id) from None
             except jobs.BadTransition as e:
                 raise HTTPException(409, str(e)) from None
+            except UnreadableJob as e:
+                raise _unreadable(job_id, e) from None
 
     for a in ("cancel", "pause", "resume"):
         _action(a)
@@ -105,9 +188,12 @@ def build_routes(rt: ServiceRuntime) -> FastAPI:
 
     @router.get("/dashboard", tags=["dashboard"])
     def dashboard_data() -> dict[str, Any]:
-        """Services, and per job: queues, ledger, policy pointer and its adoption by replicas."""
-        return overview.overview(r, sorted(jobs.list_jobs(r), key=lambda j: -j.created_at))
+        """Services, and per job: queues, ledger, policy pointer and its adoption by replicas;
+        `unreadable`: job id -> why its stored record cannot be read (those jobs are not served)."""
+        recs, unreadable = jobs.read_jobs(r)
+        return {**overview.overview(r, sorted(recs, key=lambda j: -j.created_at)), "unreadable": unreadable}
 
+    http_limits.install(rt.app)
     rt.app.include_router(router)
     _protect_openapi(rt)
     _mount_dashboard(rt.app)

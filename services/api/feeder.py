@@ -18,8 +18,9 @@ import redis
 from shared import keys
 from shared.bus import FIELD, trim_job
 from shared.domain.tasks import TaskItem, task_for_job
-from shared.job import JobRecord, JobState, load_job, save_job
+from shared.job import JobRecord, JobState, UnreadableJob, load_job, update_job
 from shared.metrics import read_evals, read_ledger
+from shared.policy import read_pointer
 from shared.schema import PromptMsg, encode
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class Feeder:
         self._trimmed_at: dict[str, float] = {}
         self._cursors: dict[bytes, bytes] = {}  # metrics stream -> last id seen (for `wait`)
         self._active: list[str] = []  # the active jobs as of the last tick
+        self._unreadable: set[str] = set()  # jobs whose record could not be read (said once each)
 
     def _items(self, rec: JobRecord, fed: int) -> Iterator[TaskItem]:
         pos, it = self._iters.get(rec.id, (-1, iter(())))
@@ -50,6 +52,13 @@ class Feeder:
                 self._trim(job_id)
             except redis.ConnectionError:
                 raise  # the whole api is not ready: let ServiceRuntime.survive say so
+            except UnreadableJob as e:
+                # Not fed (no stage serves it); said once, not every tick. GET /v1/dashboard lists
+                # it under `unreadable`, and DELETE /v1/jobs/{id} removes it.
+                if job_id not in self._unreadable:
+                    self._unreadable.add(job_id)
+                    log.error("%s; not fed", e)
+                self._iters.pop(job_id, None)
             except Exception:
                 # One broken job (say, a task whose prompt source raises) must not starve
                 # every job after it in the set.
@@ -126,9 +135,8 @@ class Feeder:
 
     def _maybe_retire(self, rec: JobRecord) -> None:
         """A completed job leaves the active set once its final version is evaluated."""
-        final = int(self.r.get(keys.policy_pointer(rec.id)) or 0)
+        final = read_pointer(self.r, rec.id)
         evaluated = {e["version"] for e in read_evals(self.r, rec.id)}
         if final in evaluated or rec.spec.eval_size == 0 or time.time() - rec.updated_at > 600:
             self.r.srem(keys.active_jobs(), rec.id)
-            rec.updated_at = time.time()
-            save_job(self.r, rec)
+            update_job(self.r, rec.id, lambda _: True)  # updated_at: when it retired

@@ -16,6 +16,7 @@ import redis
 from shared import keys
 from shared.job import JobRecord
 from shared.metrics import read_evals, read_ledger
+from shared.policy import read_pointer
 from shared.schema import decode_heartbeat
 
 # Stage streams in pipeline order, with the consumer group that reads each.
@@ -63,7 +64,7 @@ def job_overview(r: redis.Redis, rec: JobRecord, services: list[dict[str, Any]])
     streams = keys.job_streams(rec.id)
     queues = {name: stream_info(r, stream, streams[stream]) for name, stream in zip(STAGES, streams, strict=True)}
     queues["dead"] = {"length": int(r.xlen(keys.dead_letter(rec.id))), "pending": 0, "lag": None}
-    pointer = int(r.get(keys.policy_pointer(rec.id)) or 0)
+    pointer = read_pointer(r, rec.id)
     # Adoption: rollout and trainer replicas report {job: version} in their heartbeat.
     adoption = []
     for svc in services:

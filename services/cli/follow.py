@@ -11,6 +11,27 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+# How long a completed job's final version may wait for its evaluation: the api's feeder
+# retires a completed job after the same time (services/api/feeder.py), evaluated or not.
+FINAL_EVAL_WAIT_S = 600.0
+
+
+def finished(status: dict[str, Any]) -> str | None:
+    """Why following `status` is over, or None while there is more to wait for.
+
+    A completed job is over once its final version is evaluated, or at once when no
+    evaluation is due (eval_size = 0: none ever comes)."""
+    state = status["job"]["state"]
+    if state in ("cancelled", "failed"):
+        return state
+    if state != "completed":
+        return None
+    if status["job"]["spec"].get("eval_size", 1) == 0:
+        return "completed (no evaluation: eval_size = 0)"
+    if any(e["version"] == status["policy_version"] for e in status["evals"]):
+        return "completed"
+    return None
+
 
 def follow_job(
     api: str,
@@ -20,11 +41,15 @@ def follow_job(
     timeout: float = 3600,
     on_poll: Callable[[dict[str, Any]], Any] | None = None,
 ) -> dict[str, Any]:
-    """Poll the job until it is completed and its final version evaluated (or it fails).
+    """Poll the job until it is completed and its final version evaluated, when one is due
+    (or it fails). The returned status carries `outcome`: why following ended ("timed out"
+    when `timeout` passed first).
 
     `on_poll(status)` runs after each poll (the tracker bridge forwards new points there).
     """
     deadline = time.time() + timeout
+    outcome = "timed out"
+    completed_at: float | None = None
     with Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -52,11 +77,17 @@ def follow_job(
             )
             if on_poll:
                 _poll_hook(on_poll, status, bar, task)
-            state = status["job"]["state"]
-            final_eval = any(e["version"] == status["policy_version"] for e in evals)
-            if state in ("cancelled", "failed") or (state == "completed" and final_eval):
+            done = finished(status)
+            if done is not None:
+                outcome = done
                 break
+            if status["job"]["state"] == "completed":
+                completed_at = completed_at or time.time()
+                if time.time() - completed_at > FINAL_EVAL_WAIT_S:
+                    outcome = "completed (its final version was not evaluated: is a rollout replica up?)"
+                    break
             time.sleep(1.0)
+    status["outcome"] = outcome
     status["trainer_points"] = httpx.get(
         f"{api}/v1/jobs/{job_id}/metrics", params={"source": "trainer"}, headers=headers, timeout=30
     ).json()

@@ -17,7 +17,10 @@ TINY = HOME / "models" / "tiny-sft"
 
 
 def _api(url: str | None) -> str:
-    return (url or os.environ.get("BURSTRL_API_URL") or "http://127.0.0.1:8700").rstrip("/")
+    """--api, else BURSTRL_API_URL, else the api `burstrl up` started (wherever its port), else :8700."""
+    from services.cli.stack import api_url
+
+    return (url or os.environ.get("BURSTRL_API_URL") or api_url(HOME) or "http://127.0.0.1:8700").rstrip("/")
 
 
 def _headers() -> dict[str, str]:
@@ -49,17 +52,37 @@ def up(
         Path | None,
         typer.Option(help="A TOML file whose [env.common] / [env.<role>] tables set each service's environment."),
     ] = None,
+    port_base: Annotated[
+        int | None,
+        typer.Option(help="Move every service's port: api at N, rollout N+1, reward N+2, ref N+3, trainer N+4."),
+    ] = None,
+    ports: Annotated[
+        str, typer.Option(help="Per-service ports, e.g. 'api=9000,reward=9002' (beats --port-base).")
+    ] = "",
 ) -> None:
     """Start Redis (unless REDIS_URL is set) and the services as local processes.
 
-    Settings come from the environment; with --config, the file's [env.*] tables fill in
-    what the environment does not set (the environment always wins).
+    Only the roles named are (re)started: `burstrl up --roles trainer` restarts the trainer
+    and leaves the rest running. Settings come from the environment; with --config, the
+    file's [env.*] tables fill in what the environment does not set (the environment wins).
     """
-    from services.cli.stack import start_stack
+    from services.cli.stack import parse_ports, stack_ports, start_stack
 
+    role_list = [r.strip() for r in roles.split(",") if r.strip()]
+    try:
+        chosen = stack_ports(role_list, base=port_base, given=parse_ports(ports))
+    except ValueError as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(2) from None
     conf = tomllib.loads(config.read_text()) if config else None
     start_stack(
-        HOME, str((model or TINY).resolve()), roles.split(","), log=console.print, config=conf, model_given=bool(model)
+        HOME,
+        str((model or TINY).resolve()),
+        role_list,
+        log=console.print,
+        config=conf,
+        model_given=bool(model),
+        ports=chosen,
     )
 
 
@@ -125,6 +148,9 @@ def submit(
             if bridge:
                 bridge.close()
         print_summary(status, console)
+        if status.get("outcome") == "timed out":
+            console.print("[yellow]stopped following: timed out before the job finished[/]")
+            raise typer.Exit(1)
 
 
 @app.command()
@@ -189,12 +215,65 @@ def status(job_id: Annotated[str | None, typer.Argument()] = None, api: str | No
 
 
 @app.command()
-def jobs(api: str | None = None) -> None:
-    """List jobs."""
+def jobs(
+    api: str | None = None,
+    orphaned: Annotated[bool, typer.Option(help="Only jobs the store holds but Redis lost.")] = False,
+) -> None:
+    """List jobs, then any the object store holds but Redis does not know (Redis lost them)."""
     import httpx
 
-    for j in httpx.get(f"{_api(api)}/v1/jobs", headers=_headers(), timeout=10).json():
-        console.print(f"{j['id']:<24} {j['state']:<10} steps={j['spec']['steps']} task={j['spec']['task']}")
+    if not orphaned:
+        resp = httpx.get(f"{_api(api)}/v1/jobs", headers=_headers(), timeout=10)
+        resp.raise_for_status()
+        for j in resp.json():
+            console.print(f"{j['id']:<24} {j['state']:<10} steps={j['spec']['steps']} task={j['spec']['task']}")
+        if bad := resp.headers.get("x-burstrl-unreadable-jobs"):
+            console.print(f"[red]unreadable job records (not served; `burstrl delete ID` removes one):[/] {bad}")
+    lost = httpx.get(f"{_api(api)}/v1/orphans", headers=_headers(), timeout=60).raise_for_status().json()
+    for o in lost:
+        how = "recoverable: burstrl recover" if o["recoverable"] else f"not recoverable: {o['reason']}"
+        console.print(
+            f"[red]{o['job_id']:<24} orphaned[/]   checkpoint step {o['checkpoint_step']}/{o['steps']} "
+            f"({o['groups_trained']} groups trained); {how}"
+        )
+
+
+@app.command()
+def recover(
+    job_ids: Annotated[list[str] | None, typer.Argument(help="Jobs to register again (default: every orphan).")] = None,
+    api: str | None = None,
+) -> None:
+    """Register jobs Redis lost again from the object store; they resume from their newest checkpoint."""
+    import httpx
+
+    params = [("job", j) for j in job_ids or []]
+    resp = httpx.post(f"{_api(api)}/v1/orphans/recover", params=params, headers=_headers(), timeout=120)
+    resp.raise_for_status()
+    done = resp.json()["recovered"]
+    console.print(f"recovered {len(done)} job(s): {', '.join(done) or '-'}")
+
+
+@app.command()
+def delete(
+    job_id: Annotated[str, typer.Argument(help="The job to delete (cancel it first if it is live).")],
+    purge_store: Annotated[
+        bool, typer.Option(help="Also delete its policy versions and checkpoints from the object store.")
+    ] = False,
+    api: str | None = None,
+) -> None:
+    """Delete a job's Redis keys (record, streams, ledger, metrics, ...); its store artifacts stay unless asked."""
+    import httpx
+
+    resp = httpx.delete(
+        f"{_api(api)}/v1/jobs/{job_id}", params={"purge_store": purge_store}, headers=_headers(), timeout=60
+    )
+    if resp.status_code in (404, 409):
+        console.print(f"[red]{resp.json()['detail']}[/]")
+        raise typer.Exit(1)
+    resp.raise_for_status()
+    out = resp.json()
+    kept = "store artifacts kept" if out["store_kept"] else f"{out['purged_objects']} store objects deleted"
+    console.print(f"deleted [bold]{job_id}[/]: {out['deleted_keys']} Redis keys; {kept}")
 
 
 @app.command()

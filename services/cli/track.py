@@ -230,16 +230,16 @@ class RedisSource:
         return read_points(self.r, self.job_id, after=after, with_ids=True)
 
     def status(self) -> dict[str, Any]:
-        from shared import keys
         from shared.job import load_job
         from shared.metrics import read_evals
+        from shared.policy import read_pointer
 
         rec = load_job(self.r, self.job_id)
         if rec is None:
             raise KeyError(f"no job {self.job_id!r} in Redis")
         return {
             "state": rec.state.value,
-            "policy_version": int(self.r.get(keys.policy_pointer(self.job_id)) or 0),
+            "policy_version": read_pointer(self.r, self.job_id),
             "evals": read_evals(self.r, self.job_id),
             "spec": rec.spec.model_dump(mode="json"),
         }

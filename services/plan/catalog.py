@@ -10,6 +10,8 @@ pure math over byte counts). Users add or override cards with a TOML/JSON file
     fp16_tflops = 71
     bandwidth_gbs = 936
     link_gbs = 32
+    price_per_hour = 0.22   # USD; optional, 0 by default for a card you add
+    owned = false            # true: yours, always on; false: rented, held only in bursts
 
 Numbers are vendor peak figures for *dense* math (no 2:4 sparsity) with FP32 accumulation,
 which is what training and vLLM actually use; the planner scales them by efficiency factors.
@@ -38,6 +40,16 @@ class Card(BaseModel):
         gt=0,
         description="Per-card bandwidth to peer cards (NVLink) or host (PCIe), GB/s.",
     )
+    price_per_hour: float = Field(
+        default=0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="USD per card-hour while held: a rental's on-demand rate; 0 for owned cards (marginal cost).",
+    )
+    owned: bool = Field(
+        default=False,
+        description="Owned cards run around the clock; rented ones are held (and billed) only during bursts.",
+    )
     note: str = ""
 
     @property
@@ -45,14 +57,29 @@ class Card(BaseModel):
         return self.memory_gb * 1e9
 
     @property
-    def train_dtype(self) -> str:
-        """bf16 where the card has it; fp16 (with loss scaling) otherwise, e.g. gfx906."""
+    def serve_dtype(self) -> str:
+        """What vLLM and the ref compute in: bf16 where the card has it, else fp16 (gfx906)."""
         return "bf16" if self.bf16_tflops > 0 else "fp16"
+
+    @property
+    def train_dtype(self) -> str:
+        """What the trainer computes in: bf16 where the card has it, else fp32.
+
+        The trainer's dtype setting is auto | bfloat16 | float32: it has no fp16 with loss
+        scaling, so a card without bf16 (gfx906) trains in fp32.
+        """
+        return "bf16" if self.bf16_tflops > 0 else "fp32"
 
     @property
     def tflops(self) -> float:
         """Throughput at the card's preferred 16-bit dtype."""
         return self.bf16_tflops if self.bf16_tflops > 0 else self.fp16_tflops
+
+    @property
+    def train_tflops(self) -> float:
+        """Throughput at `train_dtype`. The catalog has no fp32 column: without bf16 we assume
+        half the fp16 rate, which is gfx906's ratio (packed fp16 runs two lanes per fp32 lane)."""
+        return self.bf16_tflops if self.bf16_tflops > 0 else self.fp16_tflops / 2
 
 
 def _card(
@@ -64,6 +91,7 @@ def _card(
     link: float,
     note: str = "",
 ) -> Card:
+    owned = name in OWNED
     return Card(
         name=name,
         memory_gb=mem,
@@ -71,8 +99,42 @@ def _card(
         fp16_tflops=fp16,
         bandwidth_gbs=bw,
         link_gbs=link,
+        price_per_hour=0.0 if owned else PRICES[name],
+        owned=owned,
         note=note,
     )
+
+
+# Cards burstrl's user has at home: their marginal cost is 0 (electricity aside; set a price
+# with --price to count it), and they may run around the clock.
+OWNED = {"mi50-16", "mi50-32", "rtx4070"}
+# Default rental prices, USD per card-hour, on-demand (not spot, not reserved), as typical
+# 2025-2026 listings showed them. They move month to month and differ by provider: override
+# with --price CARD=USD (or price_per_hour in --cards-file).
+PRICES = {
+    # RunPod H200 SXM listing, $3.59/h (deploybase.ai "H200 vs H100", Nov 2025 / Mar 2026).
+    "h200": 3.59,
+    # RunPod Secure Cloud H100 SXM5, ~$2.69/h (spheron.network "RunPod H100 pricing 2026";
+    # Lambda lists $2.99-3.78/h for the same card).
+    "h100": 2.69,
+    # Not listed by US/EU clouds (export variant): assumed at the H100's rate.
+    "h800": 2.69,
+    # Not listed by US/EU clouds (export variant): assumed at about half an H100's rate.
+    "h20": 1.40,
+    # A100 SXM 80 GB: $1.39-1.79/h on-demand across RunPod/Lambda listings (2025-2026).
+    "a100-80": 1.64,
+    # A100 40 GB: Lambda-style $1.29/h (2025).
+    "a100-40": 1.29,
+    # L40S 48 GB: $0.86-0.87/h (aihardwareindex.com "cost-per-token", Dec 2025, cloud median).
+    "l40s": 0.87,
+    # RTX 4090: $0.34/h community spot to $0.60/h on-demand (deploybase.ai RunPod guide, Mar 2026).
+    "rtx4090": 0.60,
+    # RTX 4070 is listed as owned above; as a rental it would be about this (consumer-card tier).
+    "rtx4070": 0.20,
+    # MI50s are rarely rented; as a rental they would be about this (older-card tier).
+    "mi50-16": 0.15,
+    "mi50-32": 0.20,
+}
 
 
 # Sources: AMD/NVIDIA data sheets and the Ada whitepaper. GeForce cards run FP32-accumulate
@@ -100,6 +162,7 @@ BUILTIN_CARDS: dict[str, Card] = {
         ),
         _card("rtx4070", 12, 58.3, 58.3, 504, 32, "PCIe 4.0 x16"),
         _card("rtx4090", 24, 165.2, 165.2, 1008, 32, "PCIe 4.0 x16"),
+        _card("l40s", 48, 362, 362, 864, 32, "PCIe 4.0 x16; data-center Ada: full-rate FP32 accumulate"),
         _card("a100-40", 40, 312, 312, 1555, 600, "SXM"),
         _card("a100-80", 80, 312, 312, 2039, 600, "SXM"),
         _card("h100", 80, 989, 989, 3350, 900, "SXM"),
@@ -141,8 +204,49 @@ class Catalog(BaseModel):
         cards = dict(self.cards)
         for name, fields in data.get("cards", data).items():
             key = normalize_name(name)
-            fields = {"fp16_tflops": fields.get("bf16_tflops", 0), **fields}
+            known = cards.get(key)
+            # An override keeps the built-in's price and ownership unless it sets them; a new
+            # card without a price is taken to be one you own.
+            defaults = {"fp16_tflops": fields.get("bf16_tflops", 0)}
+            if known is not None:
+                defaults |= {"price_per_hour": known.price_per_hour, "owned": known.owned}
+            else:
+                defaults["owned"] = not fields.get("price_per_hour")
+            fields = {**defaults, **fields}
             cards[key] = Card(name=key, **{k: v for k, v in fields.items() if k != "name"})
+        return Catalog(cards=cards)
+
+    def with_costs(
+        self,
+        prices: dict[str, float] | None = None,
+        owned: list[str] | None = None,
+        rented: list[str] | None = None,
+    ) -> Catalog:
+        """Override prices (USD per card-hour) and which cards are owned or rented.
+
+        A card made rented without a price of its own takes the catalog's rental default
+        (`PRICES`); a card made owned costs 0 unless a price is given for it too.
+        """
+        prices = {normalize_name(k): v for k, v in (prices or {}).items()}
+        owned_keys = {normalize_name(n) for n in owned or []}
+        rented_keys = {normalize_name(n) for n in rented or []}
+        if both := owned_keys & rented_keys:
+            raise ValueError(f"--owned and --rented both name {', '.join(sorted(both))}: pick one")
+        for flag, keys in (("--price", prices), ("--owned", owned_keys), ("--rented", rented_keys)):
+            for key in keys:
+                if key not in self.cards:
+                    known = ", ".join(sorted(self.cards))
+                    raise KeyError(f"{flag} {key}: unknown card; known: {known} (add more with --cards-file)")
+        cards = dict(self.cards)
+        for key, card in cards.items():
+            update: dict[str, object] = {}
+            if key in owned_keys:
+                update |= {"owned": True, "price_per_hour": 0.0}
+            if key in rented_keys:
+                update |= {"owned": False, "price_per_hour": card.price_per_hour or PRICES.get(key, 0.0)}
+            if key in prices:
+                update["price_per_hour"] = prices[key]
+            cards[key] = card.model_copy(update=update)
         return Catalog(cards=cards)
 
 

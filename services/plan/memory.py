@@ -60,12 +60,12 @@ class Workload(BaseModel):
         return self.batch * self.group_size
 
 
-class TrainerSettings(BaseModel):
+class TrainerKnobs(BaseModel):
     """Knobs that trade memory for speed in the trainer. Defaults are the fast, memory-hungry end."""
 
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     micro_batch: int = Field(default=1, gt=0, description="Sequences per forward/backward on one card.")
-    grad_checkpointing: bool = False
+    gradient_checkpointing: bool = False
     logits_chunk: int | None = Field(default=None, description="Tokens per chunked log-prob pass; None = all.")
     optimizer: Literal["adamw", "adamw8bit"] = "adamw"
     optimizer_impl: Literal["fused", "foreach"] = Field(
@@ -105,7 +105,7 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def full_bytes_per_param(s: TrainerSettings) -> tuple[float, float, float]:
+def full_bytes_per_param(s: TrainerKnobs) -> tuple[float, float, float]:
     """Full FT bytes per weight on the card: (params, grads, optimizer states).
 
     Master-weight mixed precision keeps fp32 params and grads (ZeRO's 16 B/param with Adam);
@@ -119,7 +119,7 @@ def full_bytes_per_param(s: TrainerSettings) -> tuple[float, float, float]:
     return p, p, 2.0 if s.optimizer == "adamw8bit" else 2 * p
 
 
-def trainer_components(shape: ModelShape, method: Method, s: TrainerSettings) -> dict[str, float]:
+def trainer_components(shape: ModelShape, method: Method, s: TrainerKnobs) -> dict[str, float]:
     """Persistent bytes per card: weights, optimizer states, and grads when they outlive a micro-batch."""
     a, k = DTYPE_BYTES[s.dtype], s.fsdp_shards
     out: dict[str, float] = {}
@@ -145,7 +145,7 @@ def trainer_components(shape: ModelShape, method: Method, s: TrainerSettings) ->
     return out
 
 
-def saved_per_token_layer(shape: ModelShape, method: Method, s: TrainerSettings) -> float:
+def saved_per_token_layer(shape: ModelShape, method: Method, s: TrainerKnobs) -> float:
     """Bytes autograd keeps per token per decoder layer (no checkpointing)."""
     a = DTYPE_BYTES[s.dtype]
     h, i, q, kv = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
@@ -174,7 +174,7 @@ def saved_per_token_layer(shape: ModelShape, method: Method, s: TrainerSettings)
     return 2 * norm + attn + mlp + lora_mid
 
 
-def trainer_memory(shape: ModelShape, method: Method, w: Workload, s: TrainerSettings) -> RoleMemory:
+def trainer_memory(shape: ModelShape, method: Method, w: Workload, s: TrainerKnobs) -> RoleMemory:
     """Peak bytes on one trainer card for one micro-batch of `s.micro_batch` sequences."""
     a, k, V, h = (
         DTYPE_BYTES[s.dtype],
@@ -191,7 +191,7 @@ def trainer_memory(shape: ModelShape, method: Method, w: Workload, s: TrainerSet
         n_logit = min(n_logit, s.logits_chunk)
     layer = saved_per_token_layer(shape, method, s)
     final_norm = 4 * h + (2 * a * h if full else 0)  # + normed output kept for lm_head's weight grad
-    if s.grad_checkpointing:
+    if s.gradient_checkpointing:
         saved = n * (shape.num_layers * a * h + final_norm)  # only each layer's input
         recompute = n * layer  # one layer re-run during its backward
     else:
@@ -280,13 +280,17 @@ def ref_memory(
     weights: str = "bf16",
     overhead_gb: float = 1.0,
     share_weights: bool = False,
+    logits_chunk: int = 0,
 ) -> RoleMemory:
     """Forward-only log-probs under the frozen reference, `micro_batch` sequences at a time.
 
     `share_weights`: LoRA colocated with the trainer, the ref is the trainer's base with the
-    adapter disabled, so it costs activations only.
+    adapter disabled, so it costs activations only. `logits_chunk` > 0: log-probs computed
+    that many tokens at a time (0: the whole micro-batch at once, the upper bound).
     """
     n, n_logit = micro_batch * w.seq_len, micro_batch * w.completion_len
+    if logits_chunk:
+        n_logit = min(n_logit, logits_chunk)
     weight = 0.0 if share_weights else serve_weight_bytes(shape, weights)
     # No autograd: only one layer's temporaries live, plus 16-bit logits, fp32 copy, log-softmax.
     layer_tmp = n * 2 * (2 * shape.hidden_size + shape.q_dim + 2 * shape.kv_dim + 3 * shape.intermediate_size)

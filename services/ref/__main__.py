@@ -25,7 +25,7 @@ def main() -> None:
     rt.health.set("model", False, f"loading {settings.model} ({settings.engine} engine)")
     rt.preflight()
 
-    from services.ref.engine import EngineError, build_scorer
+    from services.ref.engine import ScorerUnavailable, build_scorer
     from services.ref.worker import RefWorker
 
     if settings.threads:
@@ -37,7 +37,7 @@ def main() -> None:
     while scorer is None and not rt.stop.is_set():
         try:
             scorer = build_scorer(settings)
-        except EngineError as e:  # stay up and say why in /readyz; a remote server may come later
+        except ScorerUnavailable as e:  # stay up and say why in /readyz; a remote server may come later
             rt.health.set("model", False, str(e))
             rt.stop.wait(settings.engine_retry_s)
     if scorer is None:
@@ -54,7 +54,7 @@ def main() -> None:
             try:
                 scorer.check()
                 rt.health.set("engine", True)
-            except EngineError as e:
+            except ScorerUnavailable as e:
                 rt.health.set("engine", False, str(e))
         worker.tick()
 

@@ -9,7 +9,7 @@
 
 All return, for each (prompt, completion), log p(completion[j] | prompt + completion[:j]) at
 temperature 1. Errors: `Rejected` means "this input cannot be scored here" (too long, token
-ids outside the vocabulary): the caller rejects the group; `EngineError` means "the engine is
+ids outside the vocabulary): the caller rejects the group; `ScorerUnavailable` means "the engine is
 away": the caller retries later. vLLM is imported lazily so the light paths never pay for it.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Protocol
+from typing import Literal, Protocol
 
 from shared.engines.openai_client import OpenAIClient
 from shared.engines.vllm_setup import prepare_cpu_engine_env, warm_up
@@ -27,15 +27,26 @@ log = logging.getLogger(__name__)
 Seq = tuple[list[int], list[int]]  # (prompt token ids, completion token ids)
 
 
+RejectKind = Literal["too_long", "input", "engine_refused"]
+
+
 class Rejected(ValueError):
-    """This input cannot be scored by this engine (permanent): reject the group, keep serving."""
+    """This input cannot be scored by this engine (permanent): reject the group, keep serving.
+
+    `kind` labels the dead-letter metric: too_long (past the reference's context), input (an
+    id outside its vocabulary, an empty prompt), engine_refused (the engine's own validation).
+    """
+
+    def __init__(self, kind: RejectKind, message: str) -> None:
+        super().__init__(message)
+        self.kind: RejectKind = kind
 
 
-class EngineError(RuntimeError):
+class ScorerUnavailable(RuntimeError):
     """The engine cannot serve right now (not started, unreachable, died): retry later."""
 
 
-class Scorer(Protocol):
+class RefScorer(Protocol):
     mode: str
     model: str
     dtype: str
@@ -43,11 +54,11 @@ class Scorer(Protocol):
     vocab_size: int  # token ids must be below this; 0 when unknown (remote)
 
     def score(self, seqs: list[Seq]) -> list[list[float]]:
-        """Log-prob of each completion token; raises Rejected or EngineError."""
+        """Log-prob of each completion token; raises Rejected or ScorerUnavailable."""
         ...
 
     def check(self) -> None:
-        """Raise EngineError when the engine cannot serve."""
+        """Raise ScorerUnavailable when the engine cannot serve."""
         ...
 
     def close(self) -> None: ...
@@ -57,14 +68,14 @@ def validate(seq: Seq, max_len: int, vocab_size: int) -> None:
     """Raise Rejected, naming the problem, for a sequence no engine could score."""
     prompt, completion = seq
     if not prompt:
-        raise Rejected("empty prompt: the first completion token has no context to be scored in")
+        raise Rejected("input", "empty prompt: the first completion token has no context to be scored in")
     n = len(prompt) + len(completion)
     if n > max_len:
-        raise Rejected(f"sequence of {n} tokens exceeds the reference's context of {max_len}")
+        raise Rejected("too_long", f"sequence of {n} tokens exceeds the reference's context of {max_len}")
     if vocab_size:
         bad = [t for t in (*prompt, *completion) if t < 0 or t >= vocab_size]
         if bad:
-            raise Rejected(f"token id {bad[0]} is outside the reference's vocabulary of {vocab_size}")
+            raise Rejected("input", f"token id {bad[0]} is outside the reference's vocabulary of {vocab_size}")
 
 
 class HFScorer:
@@ -161,7 +172,7 @@ class VllmScorer:
         try:
             self.llm = LLM(model=model, dtype=dtype, seed=seed, enforce_eager=True, **kwargs)
         except Exception as e:  # unknown path, bad config: the service reports it in /readyz
-            raise EngineError(f"cannot start vLLM for {model!r}: {type(e).__name__}: {e}") from e
+            raise ScorerUnavailable(f"cannot start vLLM for {model!r}: {type(e).__name__}: {e}") from e
         warm_up(self.llm)
         mc = self.llm.llm_engine.model_config
         self.dtype = str(mc.dtype).removeprefix("torch.")
@@ -182,13 +193,13 @@ class VllmScorer:
         try:
             outs = self.llm.generate(prompts, params, use_tqdm=False)
         except ValueError as e:  # vLLM's input validation (length, ids): this batch, not the engine
-            raise Rejected(f"vLLM refused the input: {e}") from e
+            raise Rejected("engine_refused", f"vLLM refused the input: {e}") from e
         return [_from_prompt_logprobs(o.prompt_logprobs or [], s, int) for o, s in zip(outs, seqs, strict=True)]
 
     def check(self) -> None:
         resources = getattr(self.llm.llm_engine.engine_core, "resources", None)
         if getattr(resources, "engine_dead", False):
-            raise EngineError("vLLM engine core died; restart the ref service")
+            raise ScorerUnavailable("vLLM engine core died; restart the ref service")
 
     def close(self) -> None:
         try:
@@ -216,14 +227,14 @@ class RemoteScorer(OpenAIClient):
         prompts_per_request: int = 16,
     ) -> None:
         if not url:
-            raise EngineError("remote engine: set BURSTRL_REF_ENGINE_URL to the vLLM server's base URL")
+            raise ScorerUnavailable("remote engine: set BURSTRL_REF_ENGINE_URL to the vLLM server's base URL")
         super().__init__(
             url=url,
             api_key=api_key,
             timeout_s=timeout_s,
             concurrency=concurrency,
             thread_name="ref-remote",
-            away=EngineError,
+            away=ScorerUnavailable,
         )
         self.model = model
         self.prompts_per_request = prompts_per_request
@@ -235,7 +246,7 @@ class RemoteScorer(OpenAIClient):
         if served:
             cards = [m for m in cards if m.get("id") == served]
         if not cards:
-            raise EngineError(f"remote engine {self.url} serves no base model named {served or '(any)'!r}")
+            raise ScorerUnavailable(f"remote engine {self.url} serves no base model named {served or '(any)'!r}")
         # vLLM's model card carries max_model_len; one token is generated after the prompt.
         max_len = int(cards[0].get("max_model_len") or 1 << 30) - 1
         return cards[0]["id"], max_len
@@ -243,9 +254,11 @@ class RemoteScorer(OpenAIClient):
     def _complete(self, body: dict) -> dict:
         resp = self._post("/v1/completions", body)
         if resp.status_code >= 500:
-            raise EngineError(f"remote engine: HTTP {resp.status_code}: {resp.text[:300]}")
+            raise ScorerUnavailable(f"remote engine: HTTP {resp.status_code}: {resp.text[:300]}")
         if resp.status_code >= 400:  # too long, bad token ids: the input, not the server
-            raise Rejected(f"remote engine refused the input: HTTP {resp.status_code}: {resp.text[:300]}")
+            raise Rejected(
+                "engine_refused", f"remote engine refused the input: HTTP {resp.status_code}: {resp.text[:300]}"
+            )
         return resp.json()
 
     def _score_chunk(self, seqs: list[Seq]) -> list[list[float]]:
@@ -258,7 +271,7 @@ class RemoteScorer(OpenAIClient):
         if not self._echo_only:
             choices = sorted(self._complete({**body, "prompt_logprobs": 0})["choices"], key=lambda c: c["index"])
             if len(choices) != len(seqs):
-                raise EngineError(f"remote engine returned {len(choices)} choices for {len(seqs)} prompts")
+                raise ScorerUnavailable(f"remote engine returned {len(choices)} choices for {len(seqs)} prompts")
             if all(c.get("prompt_logprobs") is not None for c in choices):
                 # JSON object keys are strings: {"<token id>": {"logprob": ..., "rank": ...}}
                 return [_from_prompt_logprobs(c["prompt_logprobs"], s, str) for c, s in zip(choices, seqs, strict=True)]
@@ -281,13 +294,13 @@ class RemoteScorer(OpenAIClient):
         return [lp for f in futures for lp in f.result()]
 
 
-def build_scorer(settings) -> Scorer:  # noqa: ANN001 (RefSettings; imported lazily by the caller)
-    """The engine the settings name; raises EngineError when it cannot start."""
+def build_scorer(settings) -> RefScorer:  # noqa: ANN001 (RefSettings; imported lazily by the caller)
+    """The engine the settings name; raises ScorerUnavailable when it cannot start."""
     if settings.engine == "hf":
         try:
             return HFScorer(settings.model, settings.device, settings.dtype, settings.max_batch_tokens)
         except (OSError, ValueError) as e:  # unknown path or hub id, bad config
-            raise EngineError(f"cannot load {settings.model!r} with transformers: {e}") from e
+            raise ScorerUnavailable(f"cannot load {settings.model!r} with transformers: {e}") from e
     if settings.engine == "vllm":
         return VllmScorer(settings.model, dtype=settings.dtype, max_model_len=settings.max_model_len)
     if settings.engine == "remote":

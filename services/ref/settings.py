@@ -52,3 +52,9 @@ class RefSettings(CommonSettings):
     max_batch_tokens: int = Field(
         8192, ge=16, description="hf engine: padded tokens per forward pass (rows x longest sequence)."
     )
+    logits_chunk: int = Field(
+        0,
+        ge=0,
+        description="hf engine: tokens per chunked log-prob pass (fp32 [tokens x vocab] logits never exist "
+        "for a whole pass). 0: auto.",
+    )

@@ -20,17 +20,16 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import numpy as np
 from prometheus_client import Counter, Gauge
 
-from services.ref.engine import EngineError, Rejected, Scorer, Seq, validate
+from services.ref.engine import RefScorer, Rejected, ScorerUnavailable, Seq, validate
 from services.ref.settings import RefSettings
 from shared import keys
 from shared.bus import Bus, Entry
-from shared.job import JobSpec, load_job, same_model
+from shared.job import JobSpec, UnreadableJob, load_job, same_model
 from shared.metrics import record_point
-from shared.schema import GroupMsg, decode, encode, pack_f32, unpack_f32, unpack_i32, unpack_u8
+from shared.schema import GroupMsg, encode, pack_f32, unpack_f32, unpack_i32, unpack_u8
 from shared.service import ServiceRuntime, active_job_ids
 
 log = logging.getLogger(__name__)
@@ -78,7 +77,7 @@ def vocab_mismatch(base: Vocab, ref: Vocab) -> str:
 
 
 @dataclass
-class JobView:
+class RefJobView:
     spec: JobSpec
     served: bool  # this replica's model is the job's reference
     mismatch: str = ""  # non-empty: why this job's groups cannot be scored here (tokenizer)
@@ -96,10 +95,17 @@ class JobBatchStats:
 
 
 class RefWorker:
-    def __init__(self, rt: ServiceRuntime, settings: RefSettings, scorer: Scorer) -> None:
+    def __init__(self, rt: ServiceRuntime, settings: RefSettings, scorer: RefScorer) -> None:
         self.rt, self.settings, self.scorer = rt, settings, scorer
-        self.bus = Bus(rt.redis, keys.GROUP_REF, settings.replica, heartbeat_role="ref")
-        self.jobs: dict[str, JobView] = {}
+        self.bus = Bus(
+            rt.redis,
+            keys.GROUP_REF,
+            settings.replica,
+            heartbeat_role="ref",
+            claim_idle_ms=int(settings.claim_idle_s * 1000),
+        )
+        self.jobs: dict[str, RefJobView] = {}
+        self._unreadable: set[str] = set()  # jobs whose record could not be read
         self.held: list[Entry] = []  # a batch the engine could not score yet (retried first)
         self._vocab: dict[str, Vocab | str] = {}  # model -> Vocab, or why it could not be loaded
         reg = rt.registry
@@ -116,15 +122,21 @@ class RefWorker:
         rt.gauges["ref_engine"] = scorer.mode
 
     # -- which jobs ------------------------------------------------------------------
-    def _view(self, job_id: str) -> JobView | None:
+    def _view(self, job_id: str) -> RefJobView | None:
         view = self.jobs.get(job_id)
         if view is None:
-            rec = load_job(self.rt.redis, job_id)
+            try:
+                rec = load_job(self.rt.redis, job_id)
+            except UnreadableJob as e:  # one bad record must not stop the other jobs' scoring
+                if job_id not in self._unreadable:  # said once, not every tick
+                    self._unreadable.add(job_id)
+                    log.error("%s; not served", e)
+                return None
             if rec is None:
                 return None
             spec = rec.spec  # immutable once accepted: cached for the job's life
             served = spec.uses_ref and same_model(spec.reference_model, self.settings.model)
-            view = JobView(spec, served, self._tokenizer_check(spec) if served else "")
+            view = RefJobView(spec, served, self._tokenizer_check(spec) if served else "")
             self.jobs[job_id] = view
             if served and view.mismatch:
                 log.error("job %s: %s", job_id, view.mismatch)
@@ -181,7 +193,10 @@ class RefWorker:
     def handle(self, entries: list[Entry]) -> int:
         """Score a batch; forward each group, or dead-letter it with the reason. Returns groups forwarded."""
         todo: list[tuple[Entry, GroupMsg, list[Seq]]] = []
-        for e in entries:
+        decoded = self.bus.decode(entries, GroupMsg)  # undecodable ones are dead-lettered there
+        if len(decoded) < len(entries):
+            self.m_rejected.labels("undecodable").inc(len(entries) - len(decoded))
+        for e, g in decoded:
             view = self._view(e.job_id)
             if view is None:
                 self._reject(e, "job", f"unknown job {e.job_id}")
@@ -192,11 +207,6 @@ class RefWorker:
                     "job",
                     f"this ref replica serves {self.settings.model}, the job's reference is {view.spec.reference_model}",
                 )
-                continue
-            try:
-                g = decode(e.data, GroupMsg)
-            except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as err:
-                self._reject(e, "undecodable", f"undecodable group: {err}")
                 continue
             if g.stage != "scored":
                 self._reject(e, "stage", f"group at stage {g.stage!r}, expected 'scored'")
@@ -210,7 +220,7 @@ class RefWorker:
                 for s in seqs:
                     validate(s, self.scorer.max_len, self.scorer.vocab_size)
             except Rejected as err:
-                self._reject(e, "too_long" if "exceeds" in str(err) else "input", str(err))
+                self._reject(e, err.kind, str(err))
                 continue
             todo.append((e, g, seqs))
         if not todo:
@@ -233,7 +243,7 @@ class RefWorker:
                     results.append(self.scorer.score(seqs))
                 except Rejected as err:
                     results.append(err)
-        except EngineError as err:
+        except ScorerUnavailable as err:
             self.held = [e for e, _, _ in todo]  # retried on the next tick, after the backoff
             self.rt.health.set("engine", False, str(err))
             self.rt.stop.wait(self.settings.engine_retry_s)
@@ -243,10 +253,10 @@ class RefWorker:
 
         now = time.time()
         stats: dict[str, JobBatchStats] = defaultdict(JobBatchStats)
-        done = 0
+        units: list[tuple[Entry, list[tuple[str, bytes]], dict[str, int]]] = []
         for (e, g, seqs), res in zip(todo, results, strict=True):
             if isinstance(res, Rejected):
-                self._reject(e, "engine_refused", str(res))
+                self._reject(e, res.kind, str(res))
                 continue
             st = stats[e.job_id]
             for c, lp in zip(g.completions, res, strict=True):
@@ -263,7 +273,9 @@ class RefWorker:
                 st.lags.append(max(0.0, now - g.sampled_at))
             st.versions.append(g.policy_version)
             g.stage = "ready"
-            done += self.bus.forward([e], [(keys.ready(e.job_id), encode(g))], {e.job_id: {"refd": 1}})
+            units.append((e, [(keys.ready(e.job_id), encode(g))], {"refd": 1}))
+        # One round trip for the batch; each group still hands on atomically and at most once.
+        done = self.bus.settle(units)
         self._record(stats, seconds)
         return done
 

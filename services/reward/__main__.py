@@ -37,7 +37,13 @@ def main() -> None:
     if not ok:  # not a readiness failure: non-code jobs still score; code rewards score 0, tagged
         rt.health.set("sandbox-info", True, f"code rewards disabled: {why}")
     rt.health.set("verifiers", True, ", ".join(verifier_names()))
-    bus = Bus(rt.redis, keys.GROUP_REWARD, settings.replica, heartbeat_role="reward")
+    bus = Bus(
+        rt.redis,
+        keys.GROUP_REWARD,
+        settings.replica,
+        heartbeat_role="reward",
+        claim_idle_ms=int(settings.claim_idle_s * 1000),
+    )
 
     def count_tags(tags: dict[str, int]) -> None:
         for t, n in tags.items():

@@ -7,33 +7,26 @@ import time
 from collections import defaultdict
 from typing import Any
 
-import msgspec
-
 from services.reward.scorer import GroupWork, Scorer
 from shared import keys
 from shared.bus import Bus, Entry
+from shared.domain.scoring import group_work
 from shared.domain.tasks.base import total
 from shared.domain.verifiers import split_parts
-from shared.job import JobRecord, load_job
+from shared.job import JobRecord, UnreadableJob, load_job
 from shared.metrics import record_point
-from shared.schema import GroupMsg, decode, encode
+from shared.schema import GroupMsg, encode
 
 log = logging.getLogger(__name__)
 
 
 def work_for(group: GroupMsg, rec: JobRecord) -> GroupWork:
-    spec = rec.spec
-    ts = getattr(spec, "task_spec", None)
-    return GroupWork(
-        task=spec.task,
-        verifier=spec.verifier,
-        spec_json=ts.model_dump_json() if ts is not None else "{}",
-        completions=[c.text for c in group.completions],
-        fields=dict(group.fields),
+    return group_work(
+        rec.spec,
+        [c.text for c in group.completions],
+        dict(group.fields),
         prompt=group.prompt,
         completion_tokens=[len(c.token_ids) // 4 for c in group.completions],  # int32 packed
-        max_tokens=spec.sampling.max_tokens,
-        timeout_s=ts.timeout_s if ts is not None else 60.0,
     )
 
 
@@ -84,19 +77,17 @@ class JobStats:
 def handle(bus: Bus, entries: list[Entry], scorer: Scorer, on_tags: Any = None) -> int:
     """Score a batch of entries (in parallel); each is forwarded (or dead-lettered) atomically."""
     t0 = time.monotonic()
-    jobs: dict[str, JobRecord | None] = {}
+    jobs: dict[str, JobRecord | str] = {}  # job id -> its record, or why there is none
     todo: list[tuple[Entry, GroupMsg, JobRecord]] = []
-    for e in entries:
+    for e, group in bus.decode(entries, GroupMsg):
         if e.job_id not in jobs:
-            jobs[e.job_id] = load_job(bus.r, e.job_id)
+            try:
+                jobs[e.job_id] = load_job(bus.r, e.job_id) or f"unknown job {e.job_id}"
+            except UnreadableJob as err:  # one bad record must not fail the batch of the others
+                jobs[e.job_id] = str(err)
         rec = jobs[e.job_id]
-        if rec is None:
-            bus.dead_letter(e, f"unknown job {e.job_id}")
-            continue
-        try:
-            group = decode(e.data, GroupMsg)
-        except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as err:
-            bus.dead_letter(e, f"undecodable group: {err}")
+        if isinstance(rec, str):
+            bus.dead_letter(e, rec)
             continue
         if group.stage != "rolled":
             bus.dead_letter(e, f"group at stage {group.stage!r}, expected 'rolled'")
@@ -104,15 +95,18 @@ def handle(bus: Bus, entries: list[Entry], scorer: Scorer, on_tags: Any = None) 
         todo.append((e, group, rec))
     results = scorer.score([work_for(g, rec) for _, g, rec in todo])
     stats: dict[str, JobStats] = defaultdict(JobStats)
+    units: list[tuple[Entry, list[tuple[str, bytes]], dict[str, int]]] = []
     for (e, group, rec), parts in zip(todo, results, strict=True):
         out = apply_scores(group, parts)
         dest = keys.scored(e.job_id) if rec.spec.uses_ref else keys.ready(e.job_id)
         if not rec.spec.uses_ref:
             out.stage = "ready"
-        bus.forward([e], [(dest, encode(out))], {e.job_id: {"scored": 1}})
+        units.append((e, [(dest, encode(out))], {"scored": 1}))
         stats[e.job_id].add(out)
+    # One round trip for the batch; each group still hands on atomically and at most once.
+    handed_on = bus.settle(units)
     for job_id, st in stats.items():
         if on_tags is not None:
             on_tags(st.tags)
         record_point(bus.r, job_id, "reward", st.point(time.monotonic() - t0))
-    return len(todo)
+    return handed_on

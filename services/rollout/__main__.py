@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from services.rollout.engine import Engine, EngineError
+from services.rollout.engine import Engine
+from services.rollout.errors import EngineUnavailable
 from services.rollout.settings import RolloutSettings
 from shared.service import ServiceRuntime, setup_logging
 from shared.store import open_store
@@ -13,12 +14,12 @@ log = logging.getLogger("services.rollout")
 
 
 def build_engine(s: RolloutSettings) -> Engine:
-    """The configured engine; raises EngineError when it cannot be built or reached."""
+    """The configured engine; raises EngineUnavailable when it cannot be built or reached."""
     if s.engine == "remote":
         from services.rollout.engine import RemoteEngine
 
         if not s.engine_url:
-            raise EngineError("BURSTRL_ROLLOUT_ENGINE=remote needs BURSTRL_ROLLOUT_ENGINE_URL")
+            raise EngineUnavailable("BURSTRL_ROLLOUT_ENGINE=remote needs BURSTRL_ROLLOUT_ENGINE_URL")
         local, sep, remote = s.engine_path_map.partition("=")
         return RemoteEngine(
             url=s.engine_url,
@@ -37,7 +38,21 @@ def build_engine(s: RolloutSettings) -> Engine:
         max_loras=s.max_loras,
         dtype=s.dtype,
         seed=s.seed,
+        **s.engine_kwargs(),
     )
+
+
+def engine_context(s: RolloutSettings, engine: Engine) -> int:
+    """The engine's context length: the setting in-process; a remote server's if it says (vLLM's
+    /v1/models lists max_model_len), else 0 (unknown: the api accepts and warns)."""
+    if s.engine != "remote":
+        return s.max_model_len
+    try:
+        cards = engine.base_models()  # type: ignore[attr-defined]
+        served = [m for m in cards if m.get("id") == getattr(engine, "served_model", None)] or cards
+        return max((int(m.get("max_model_len") or 0) for m in served), default=0)
+    except Exception:  # noqa: BLE001 - an older server or an odd reply: unknown, not fatal
+        return 0
 
 
 def main() -> None:
@@ -53,13 +68,16 @@ def main() -> None:
         rt.health.set("engine", False, f"starting {settings.engine} engine ({what})")
         try:
             engine = build_engine(settings)
-        except EngineError as e:
+        except EngineUnavailable as e:
             rt.health.set("engine", False, str(e))
             rt.stop.wait(settings.engine_retry_s)
     if engine is None:
         rt.shutdown()
         return
     rt.health.set("engine", True)
+    # Advertised so the api can refuse a job whose completions cannot fit the context.
+    rt.gauges["rollout_model"] = settings.model
+    rt.gauges["max_model_len"] = engine_context(settings, engine)
     rt.preflight()
     from services.rollout.worker import RolloutWorker
 

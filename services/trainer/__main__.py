@@ -11,8 +11,9 @@ import logging
 import time
 from datetime import datetime
 
+import redis
+
 from services.trainer.settings import TrainerSettings
-from shared import keys
 from shared.service import ServiceRuntime, setup_logging
 from shared.store import open_store
 
@@ -46,8 +47,11 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
+    from services.trainer.claim import claim_job
     from services.trainer.distributed import CMD_EXIT, CMD_STEP, Comm
-    from services.trainer.loop import JobTrainer, claim_job
+    from services.trainer.loop import JobTrainer
+    from services.trainer.progress import note_failure
+    from shared.lease import LeaseKeeper, LeaseLost
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
@@ -68,19 +72,33 @@ def main(argv: list[str] | None = None) -> None:
         )
 
     def tick() -> None:
-        rec = claim_job(rt, settings)
-        if rec is None:
+        claimed = claim_job(rt, settings, store)
+        if claimed is None:
             rt.health.set("job", True, "idle: no running job to claim")
             rt.stop.wait(1.0)
             return
+        rec, lease = claimed
         rt.health.set("job", True, f"training {rec.id}")
         if comm.world > 1:
             comm.broadcast_int(CMD_STEP)
             comm.broadcast_bytes([rec.model_dump_json().encode()])
         try:
-            JobTrainer(rt, settings, store, rec, comm=comm, session_start=started).run()
+            with LeaseKeeper(lease) as keeper:
+                try:
+                    trainer = JobTrainer(
+                        rt, settings, store, rec, lease=lease, keeper=keeper, comm=comm, session_start=started
+                    )
+                    trainer.run()
+                except (LeaseLost, redis.ConnectionError):
+                    raise  # not the job's fault
+                except Exception as e:
+                    # A job the trainer cannot load or train would crash-loop it and starve every
+                    # other job: after max_attempts in a row it is failed with the error.
+                    if note_failure(rt.redis, rec.id, e, max_attempts=settings.max_attempts):
+                        log.error("job %s failed after %d attempts: %s", rec.id, settings.max_attempts, e)
+                    raise
         finally:
-            rt.redis.delete(keys.trainer_lease(rec.id))
+            lease.release()  # compare-and-delete: never the lease another trainer took
 
     try:
         while not rt.stop.is_set():

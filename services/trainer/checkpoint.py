@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,8 @@ import numpy as np
 import torch
 from safetensors.torch import load, save
 
+from shared.fence import refusal
+from shared.policy import DeposedWrite
 from shared.store import MANIFEST, ObjectStore, VerificationError, get_folder, put_folder
 
 log = logging.getLogger(__name__)
@@ -129,8 +132,14 @@ def save_checkpoint(
     files: dict[str, bytes],
     opt: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    *,
+    epoch: int = 0,
+    before_manifest: Callable[[], None] | None = None,
 ) -> str:
-    """Upload files, optimizer and state, then the manifest (the checkpoint exists from then on)."""
+    """Upload files, optimizer and state, then the manifest (the checkpoint exists from then on).
+
+    `epoch`: the writer's lease epoch, kept in the manifest so readers can refuse a deposed
+    trainer's checkpoint (shared/fence.py); `before_manifest` may raise to abandon it."""
     tensors, groups = optimizer_to_tensors(opt)
     rng_tensors, rng_meta = rng_capture()
     tensors.update(rng_tensors)
@@ -148,7 +157,7 @@ def save_checkpoint(
         }
     ).encode()
     prefix = ckpt_prefix(job_id, state.step)
-    put_folder(store, prefix, out, {"step": state.step})
+    put_folder(store, prefix, out, {"step": state.step, "epoch": epoch}, before_manifest=before_manifest)
     return prefix
 
 
@@ -164,8 +173,11 @@ def latest_checkpoint(store: ObjectStore, job_id: str) -> int | None:
 
 
 def load_checkpoint(store: ObjectStore, job_id: str, step: int) -> Checkpoint:
-    """The verified files of a checkpoint (raises VerificationError on any hash mismatch)."""
-    _, files = get_folder(store, ckpt_prefix(job_id, step))
+    """The verified files of a checkpoint (raises VerificationError on any hash mismatch, and
+    DeposedWrite for a checkpoint a deposed trainer wrote)."""
+    manifest, files = get_folder(store, ckpt_prefix(job_id, step))
+    if why := refusal(store, job_id, "checkpoint", step, int(manifest.get("epoch", 0))):
+        raise DeposedWrite(why)
     meta = json.loads(files.pop(STATE))
     opt_tensors = load(files.pop(OPTIMIZER))
     state = TrainState(
@@ -189,7 +201,8 @@ def load_newest_valid(store: ObjectStore, job_id: str) -> Checkpoint | None:
 
 
 def prune_checkpoints(store: ObjectStore, job_id: str, keep: int) -> list[int]:
-    """Delete all but the newest `keep` checkpoints: manifest first, so none is ever half there."""
+    """Delete all but the newest `keep` checkpoints: manifest first, so none is ever half there.
+    Returns the steps of the checkpoints kept."""
     steps = checkpoint_steps(store, job_id)
     gone = steps[:-keep] if keep > 0 else []
     for step in gone:
@@ -197,4 +210,4 @@ def prune_checkpoints(store: ObjectStore, job_id: str, keep: int) -> list[int]:
         store.delete(f"{prefix}/{MANIFEST}")
         for key in store.list(prefix + "/"):
             store.delete(key)
-    return gone
+    return [s for s in steps if s not in gone]

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, deque
+from collections import deque
 
-import msgspec
+import redis
 import torch
 
 from services.trainer.checkpoint import (
@@ -35,15 +35,22 @@ from services.trainer.distributed import CMD_STEP, CMD_STOP, Comm
 from services.trainer.learner import Aborted, Learner, StepResult
 from services.trainer.policy import load_policy, load_policy_files, policy_files
 from services.trainer.probe import compute_probe
+from services.trainer.progress import JobStuck, StaleStreak, clear_failures
+from services.trainer.publishing import Publisher
+from services.trainer.retention import Retention, prune_versions
 from services.trainer.settings import TrainerSettings
+from services.trainer.step_report import Session, StepTimes, step_point, zero_variance
 from shared import keys
 from shared.bus import Bus, Entry
-from shared.job import JobRecord, JobState, load_job, save_job
+from shared.job import JobRecord, JobState, load_job, set_state
+from shared.lease import Lease, LeaseKeeper, LeaseLost
 from shared.metrics import read_ledger, record_point
-from shared.policy import MANIFEST, Manifest, publish_version, version_prefix
-from shared.schema import Completion, GroupMsg, PolicyPublished, decode, encode, unpack_f32
-from shared.service import ServiceRuntime, active_job_ids
-from shared.store import ObjectStore, VerificationError, get_folder
+from shared.policy import (
+    read_manifest,
+)
+from shared.schema import Completion, GroupMsg, decode
+from shared.service import ServiceRuntime
+from shared.store import ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
 CONSUMER = "trainer"  # one trainer per job (leased), so a fixed name finds its own pending entries
@@ -61,11 +68,6 @@ def _arrays_consistent(c: Completion) -> bool:
     )
 
 
-def _zero_variance(g: GroupMsg, tol: float = 1e-6) -> bool:
-    rewards = [c.reward for c in g.completions]
-    return max(rewards) - min(rewards) <= tol
-
-
 class JobTrainer:
     def __init__(
         self,
@@ -74,14 +76,24 @@ class JobTrainer:
         store: ObjectStore,
         rec: JobRecord,
         *,
+        lease: Lease | None = None,
+        keeper: LeaseKeeper | None = None,
         comm: Comm | None = None,
         session_start: float | None = None,
     ) -> None:
         self.rt, self.s, self.store, self.rec = rt, settings, store, rec
+        # The lease this trainer holds on the job (rank 0 only; followers write nothing).
+        self.lease, self.keeper = lease, keeper
         self.comm = comm or Comm()
         self.r = rt.redis
         # The trainer keeps entries pending across reads until a checkpoint holds them.
-        self.bus = Bus(self.r, keys.GROUP_TRAINER, CONSUMER, redo_own_pending=False)
+        self.bus = Bus(
+            self.r,
+            keys.GROUP_TRAINER,
+            CONSUMER,
+            redo_own_pending=False,
+            claim_idle_ms=int(settings.claim_idle_s * 1000),
+        )
         spec = rec.spec
         self.device = settings.device if settings.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         self.model, self.tok = load_policy(
@@ -119,6 +131,22 @@ class JobTrainer:
         self.save_times: deque[float] = deque(maxlen=5)
         self.publish_times: deque[float] = deque(maxlen=5)
         self.exit_reason = ""
+        self.publisher = Publisher(
+            store,
+            self.r,
+            rec.id,
+            spec.base_model,
+            lease=lease,
+            assert_lease=self._assert_lease,
+            probe_tolerance=settings.republish_probe_tolerance,
+        )
+        self.session = Session(process_start=start, epoch=lease.epoch if lease else 0, replica=settings.replica, step=0)
+        self.progress = StaleStreak(
+            max_staleness=spec.max_staleness,
+            limit=settings.stuck_groups,
+            grace_s=settings.stuck_grace_s,
+            published_at=self._published_at,
+        )
         self._restore()
 
     # -- resume ----------------------------------------------------------------------
@@ -146,6 +174,8 @@ class JobTrainer:
         spec = self.rec.spec
         first = True  # our own pending entries (from before a crash) come first
         t_wait = time.time()
+        self.session.first_step = self.state.step
+        self._session_point("start")
         try:
             while self.state.step < spec.steps:
                 if self.rt.stop.is_set():
@@ -153,13 +183,12 @@ class JobTrainer:
                     break
                 if self._out_of_budget(about_to_step=False):
                     break
-                if not self._renew_lease():
-                    log.warning("job %s: lost the lease; stopping", self.rec.id)
-                    self.exit_reason = "lost the lease"
-                    return  # another trainer owns the job now: it must not see our writes
+                self._assert_lease()
                 rec = load_job(self.r, self.rec.id)
                 if rec is None or rec.state in (JobState.cancelled, JobState.failed):
-                    self.exit_reason = "job ended"
+                    # Nothing is checkpointed: a cancelled job's groups are not trained any more.
+                    self.exit_reason = "its record vanished" if rec is None else f"it was {rec.state.value}"
+                    log.warning("job %s: stopping at step %d: %s", self.rec.id, self.state.step, self.exit_reason)
                     return
                 need = spec.batch_size - len(self.pending)
                 entries = self._read(need, first)
@@ -177,19 +206,36 @@ class JobTrainer:
                     self.pending = self.pending[spec.batch_size :]
                     t_wait = time.time()
             self._checkpoint_if_dirty()
+        except JobStuck as e:
+            self._checkpoint_if_dirty()
+            set_state(self.r, self.rec.id, JobState.failed, only_from={JobState.running}, error=str(e))
+            log.error("job %s: failed: %s", self.rec.id, e)
+            self.exit_reason = "job cannot make progress"
+            return
+        except LeaseLost as e:
+            # Another trainer owns the job now: whatever we trained since our last checkpoint
+            # stays unacknowledged for it, and nothing of ours may be written any more.
+            log.error("%s; stopping without writing anything more", e)
+            self.exit_reason = "lost the lease"
+            return
         finally:
             self.comm.broadcast_int(CMD_STOP)
+            self._session_point("end")
         if self.exit_reason.startswith("time budget"):
             log.info("job %s: %s; exiting the session", self.rec.id, self.exit_reason)
             self.rt.stop.set()  # a burst session ends here; the next one resumes from the store
         elif self.exit_reason:
             log.info("job %s: %s", self.rec.id, self.exit_reason)
         if self.state.step >= spec.steps:
-            rec = load_job(self.r, self.rec.id)
-            if rec and rec.state == JobState.running:
-                rec.state, rec.updated_at = JobState.completed, time.time()
-                save_job(self.r, rec)
+            if set_state(self.r, self.rec.id, JobState.completed, only_from={JobState.running}):
                 log.info("job %s: completed %d steps", self.rec.id, spec.steps)
+
+    def _session_point(self, event: str) -> None:
+        """The burst timeline: when this trainer held the job, what it cost and what it trained."""
+        try:
+            record_point(self.r, self.rec.id, "trainer_session", self.session.point(event, reason=self.exit_reason))
+        except redis.RedisError as e:  # a report, not a correctness matter: never mask the real exit
+            log.warning("job %s: could not record the session %s: %s", self.rec.id, event, e)
 
     def _follow(self) -> None:
         """Ranks > 0: train each batch rank 0 broadcasts, until it says stop."""
@@ -217,28 +263,21 @@ class JobTrainer:
     def _read(self, need: int, own_pending: bool) -> list[Entry]:
         stream = keys.ready(self.rec.id)
         if own_pending:
-            resp = self.r.xreadgroup(keys.GROUP_TRAINER, CONSUMER, {stream: "0"}, count=10_000)
-            return [Entry(stream, i.decode(), f.get(b"m", b"")) for _, es in resp or [] for i, f in es if f]
+            return self.bus.read_own(stream, count=10_000)
         return self.bus.read([stream], count=max(1, need), block_ms=1000)
 
     def _admit(self, entries: list[Entry]) -> None:
         spec, version = self.rec.spec, self.state.step
         queued = {g.group_id for _, g in self.pending} | {gid for _, gid in self.since_ckpt}
         held = {e.id for e, _ in self.pending} | {e.id for e, _ in self.since_ckpt}
-        for e in entries:
-            try:
-                g = decode(e.data, GroupMsg)
-            except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as err:
-                self.bus.dead_letter(e, f"undecodable group: {err}")
-                continue
-            if e.id in held:
-                # Our own entry again (re-read of our pending list, or reclaimed from
-                # ourselves): it is acknowledged with its checkpoint, not before.
-                continue
+        # Our own entry again (re-read of our pending list, or reclaimed from ourselves): it is
+        # acknowledged with its checkpoint, not before.
+        fresh = [e for e in entries if e.id not in held]
+        for e, g in self.bus.decode(fresh, GroupMsg):
             if g.group_id in self.ckpt_groups:
                 # Redelivered after a crash between storing the checkpoint and acking it: its
                 # gradient is in the weights, and the ack (with its ledger count) never happened.
-                self.bus.ack([e], {self.rec.id: {"trained": 1}})
+                self._ack([e], "trained")
             elif g.stage != "ready" or (spec.uses_ref and not all(c.ref_logprobs for c in g.completions)):
                 self.bus.dead_letter(e, f"group not ready for training (stage {g.stage!r}, ref log-probs missing?)")
             elif not all(_arrays_consistent(c) for c in g.completions):
@@ -246,18 +285,37 @@ class JobTrainer:
             elif not g.completions or len(g.completions) != spec.group_size:
                 self.bus.dead_letter(e, f"group has {len(g.completions)} completions, job wants {spec.group_size}")
             elif version - g.policy_version > spec.max_staleness:
-                self.bus.ack([e], {self.rec.id: {"dropped_stale": 1}})
-            elif spec.algorithm.dynamic_sampling and _zero_variance(g):
+                self._ack([e], "dropped_stale")
+                self.progress.stale(g, version)
+            elif spec.algorithm.dynamic_sampling and zero_variance(g):
                 # DAPO dynamic sampling: no advantage signal; the batch fills with informative groups.
-                self.bus.ack([e], {self.rec.id: {"dropped_zero_variance": 1}})
+                self._ack([e], "dropped_zero_variance")
                 self.dropped_zero_var += 1
             elif g.group_id in queued:
                 # Another entry carrying a group we already hold; the ledger counted the group
                 # once, so this extra copy is acknowledged without a count.
-                self.bus.ack([e])
+                self.bus.ack([e], fence=self._fence())
             else:
                 self.pending.append((e, g))
                 queued.add(g.group_id)
+        if why := self.progress.stuck():
+            raise JobStuck(why)
+
+    def _ack(self, entries: list[Entry], counter: str) -> None:
+        """Acknowledge with one ledger count each, as the lease holder (raises LeaseLost if not)."""
+        self.bus.ack(entries, {self.rec.id: {counter: len(entries)}}, fence=self._fence())
+
+    def _fence(self):  # noqa: ANN202 (Fence | None)
+        return self.lease.fence if self.lease is not None else None
+
+    def _assert_lease(self) -> None:
+        """Before every write only the holder may make (a manifest, a pointer move): raises LeaseLost."""
+        if self.lease is None:
+            return
+        if self.keeper is not None:
+            self.keeper.check()
+        if not self.lease.held():
+            raise LeaseLost(f"job {self.rec.id}: lease lost (another trainer holds it now)")
 
     def _step(self, items: list[tuple[Entry, GroupMsg]], wait_s: float) -> None:
         spec = self.rec.spec
@@ -291,6 +349,9 @@ class JobTrainer:
             self._ack_checkpointed()  # ... then acknowledged
         t_pub = time.time() - t0 - t_train - t_ckpt
         self.step_times.append(t_train + t_pub)
+        self.progress.trained()
+        if self.state.step == 1 or checkpointed:
+            clear_failures(self.r, self.rec.id)  # it loads and trains: earlier failures were transient
         self._record(items, res, wait_s=wait_s, t_train=t_train, t_pub=t_pub, t_ckpt=t_ckpt, checkpointed=checkpointed)
 
     def _record(
@@ -304,58 +365,29 @@ class JobTrainer:
         t_ckpt: float,
         checkpointed: bool,
     ) -> None:
-        spec = self.rec.spec
         groups = [g for _, g in items]
-        rewards = torch.tensor([[c.reward for c in g.completions] for g in groups], dtype=torch.float32)
-        staleness = [self.state.step - 1 - g.policy_version for g in groups]
-        hist = Counter(staleness)
-        lengths = [len(unpack_f32(c.logprobs)) for g in groups for c in g.completions]
-        busy = t_train + t_pub + t_ckpt
-        total = wait_s + busy
         # Time inside the bus (reads that found data, settle scripts) since the last point:
         # what the Redis transport costs a step, blocking for new data excluded.
         bus_total = self.bus.stats.read_s + self.bus.stats.settle_s
         bus_s, self._bus_seen = bus_total - self._bus_seen, bus_total
-        point = {
-            "step": self.state.step,
-            "loss": res.stats.get("loss", 0.0),
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-            "reward_min": float(rewards.min()),
-            "reward_max": float(rewards.max()),
-            "zero_variance_groups": int(sum(_zero_variance(g) for g in groups)),
-            "dropped_zero_variance": self.dropped_zero_var,
-            "grad_norm": res.grad_norm,
-            "lr": res.lr,
-            "updates": res.updates,
-            "groups": len(groups),
-            "tokens": res.tokens,
-            "completion_len_mean": sum(lengths) / max(1, len(lengths)),
-            "staleness_mean": sum(staleness) / len(staleness),
-            "staleness_max": max(staleness),
-            "staleness_hist": {str(k): hist[k] for k in sorted(hist)},
-            "wait_s": round(wait_s, 3),
-            "train_s": round(t_train, 3),
-            "fwd_bwd_s": round(res.fwd_bwd_s, 3),
-            "optim_s": round(res.optim_s, 3),
-            "publish_s": round(t_pub, 3),
-            "checkpoint_s": round(t_ckpt, 3),
-            "checkpointed": checkpointed,
-            "idle_frac": round(wait_s / total, 4) if total > 0 else 0.0,
-            "bus_s": round(bus_s, 5),
-            # The ledger as a time series (fed, trained, dropped_*, dead, in flight per step).
-            "ledger": read_ledger(self.r, self.rec.id),
-            "bus_frac": round(bus_s / busy, 5) if busy > 0 else 0.0,
-            "tokens_per_s": round(res.tokens / t_train, 1) if t_train > 0 else 0.0,
-            **{k: v for k, v in res.stats.items() if k != "loss"},
-        }
+        times = StepTimes(wait_s=wait_s, train_s=t_train, publish_s=t_pub, checkpoint_s=t_ckpt, bus_s=bus_s)
+        point = step_point(
+            self.state.step,
+            groups,
+            res,
+            times,
+            checkpointed=checkpointed,
+            dropped_zero_variance=self.dropped_zero_var,
+            ledger=read_ledger(self.r, self.rec.id),
+        )
+        self.session.trained(point)
         record_point(self.r, self.rec.id, "trainer", point)
         log.info(
             "job %s step %d/%d: reward %.3f loss %.4f mismatch_kl %.4f is_frac %.3f stale %s "
             "(wait %.1fs train %.2fs publish %.2fs ckpt %.2fs)",
             self.rec.id,
             self.state.step,
-            spec.steps,
+            self.rec.spec.steps,
             point["reward_mean"],
             point["loss"],
             res.stats.get("mismatch_kl", 0.0),
@@ -373,7 +405,16 @@ class JobTrainer:
         t0 = time.time()
         files = files if files is not None else policy_files(self.model, self.rec.spec.base_model)
         self.state.trained_groups = [gid for _, gid in self.since_ckpt]
-        save_checkpoint(self.store, self.rec.id, self.state, files, self.learner.opt, self.learner.sched)
+        save_checkpoint(
+            self.store,
+            self.rec.id,
+            self.state,
+            files,
+            self.learner.opt,
+            self.learner.sched,
+            epoch=self._epoch(),
+            before_manifest=self._assert_lease,
+        )
         dt = time.time() - t0
         self.save_times.append(dt)
         if dt > self.s.grace_s:
@@ -381,15 +422,22 @@ class JobTrainer:
         if ack:
             self._ack_checkpointed()
         try:
-            prune_checkpoints(self.store, self.rec.id, self.s.keep_checkpoints)
-        except Exception as e:  # old checkpoints are clutter, not a correctness problem
-            log.warning("could not prune old checkpoints: %s", e)
+            kept = prune_checkpoints(self.store, self.rec.id, self.s.keep_checkpoints)
+            prune_versions(
+                self.store,
+                self.r,
+                self.rec.id,
+                Retention(self.s.keep_versions, self.s.keep_versions_every),
+                checkpoint_steps=kept,
+            )
+        except Exception as e:  # old checkpoints and versions are clutter, not a correctness problem
+            log.warning("could not prune old checkpoints or versions: %s", e)
         return dt
 
     def _ack_checkpointed(self) -> None:
         entries = [e for e, _ in self.since_ckpt]
         if entries:
-            self.bus.ack(entries, {self.rec.id: {"trained": len(entries)}})
+            self._ack(entries, "trained")
         self.ckpt_groups = {gid for _, gid in self.since_ckpt}
         self.since_ckpt = []
 
@@ -399,74 +447,29 @@ class JobTrainer:
             dt = self._checkpoint()
             log.info("job %s: exit checkpoint at step %d (%.2fs)", self.rec.id, self.state.step, dt)
 
+    def _published_at(self, version: int) -> float | None:
+        """When version's manifest was written (None: not published, or unreadable)."""
+        if version <= 0:
+            return None
+        try:
+            return read_manifest(self.store, self.rec.id, version).created_at
+        except (StoreError, ValueError, TypeError):
+            return None
+
+    def _epoch(self) -> int:
+        return self.lease.epoch if self.lease is not None else 0
+
     # -- publishing ------------------------------------------------------------------
     def _publish(self, files: dict[str, bytes]) -> None:
-        prefix = version_prefix(self.rec.id, self.state.step)
-        if self.store.exists(f"{prefix}/{MANIFEST}"):
-            try:
-                get_folder(self.store, prefix)  # every hash checked
-                # Re-trained after resuming from an older checkpoint: versions are immutable,
-                # and the existing one came from the same groups (identical on CPU, near on GPU).
-                log.info("job %s: policy v%d already published; keeping it", self.rec.id, self.state.step)
-                return
-            except (VerificationError, ValueError, KeyError) as e:
-                # Not a version this trainer could have written intact (torn or tampered
-                # files): rollout would refuse it forever. Replace it, manifest first, so
-                # no reader ever sees the new files under the old manifest.
-                log.error(
-                    "job %s: policy v%d in the store is corrupt (%s); publishing it again",
-                    self.rec.id,
-                    self.state.step,
-                    e,
-                )
-                self.store.delete(f"{prefix}/{MANIFEST}")
-        m = Manifest(
-            job_id=self.rec.id,
-            version=self.state.step,
-            step=self.state.step,
-            base_model=self.rec.spec.base_model,
-            files={},
-            probe=compute_probe(self.model, self.tok, self.rec.spec.task),
-        )
-        publish_version(self.store, m, files)
+        probe = compute_probe(self.model, self.tok, self.rec.spec.task)
+        if at := self.publisher.publish(self.state.step, files, probe):
+            self.progress.published(self.state.step, at)
 
     def _publish_if_missing(self) -> None:
-        if not self.store.exists(f"{version_prefix(self.rec.id, self.state.step)}/{MANIFEST}"):
+        if not self.publisher.exists(self.state.step):
             self._publish(policy_files(self.model, self.rec.spec.base_model))
         self._advance_pointer()
 
     def _advance_pointer(self) -> None:
-        v = self.state.step
-        cur = int(self.r.get(keys.policy_pointer(self.rec.id)) or 0)
-        if v > cur:
-            event = PolicyPublished(
-                job_id=self.rec.id, version=v, path=version_prefix(self.rec.id, v), step=v, published_at=time.time()
-            )
-            pipe = self.r.pipeline(transaction=True)
-            pipe.set(keys.policy_pointer(self.rec.id), v)
-            pipe.xadd(keys.policy_events(self.rec.id), {b"m": encode(event)}, maxlen=1000, approximate=True)
-            pipe.execute()
-        self.rt.gauges["policy_versions"] = {self.rec.id: v}
-
-    def _renew_lease(self) -> bool:
-        key = keys.trainer_lease(self.rec.id)
-        holder = self.r.get(key)
-        if holder not in (None, self.s.replica.encode()):
-            return False
-        self.r.set(key, self.s.replica, ex=self.s.lease_s)
-        return True
-
-
-def claim_job(rt: ServiceRuntime, settings: TrainerSettings) -> JobRecord | None:
-    """The first running job (or the configured one) whose lease we can take."""
-    candidates = [settings.job] if settings.job else active_job_ids(rt.redis)
-    for job_id in candidates:
-        rec = load_job(rt.redis, job_id)
-        if rec is None or rec.state != JobState.running:
-            continue
-        key = keys.trainer_lease(job_id)
-        if rt.redis.set(key, settings.replica, nx=True, ex=settings.lease_s):
-            return rec
-        if rt.redis.get(key) == settings.replica.encode():  # ours, from before an error
-            return rec
-    return None
+        self.publisher.announce(self.state.step)
+        self.rt.gauges["policy_versions"] = {self.rec.id: self.state.step}

@@ -31,6 +31,28 @@ def prepare_cpu_engine_env() -> bool:
     return inline
 
 
+def engine_args(
+    *,
+    gpu_memory_utilization: float | None = None,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    kv_cache_dtype: str = "auto",
+    tensor_parallel_size: int = 1,
+) -> dict[str, object]:
+    """`vllm.LLM(...)` keyword arguments for the engine's capacity settings (the ones
+    `burstrl plan` sizes). None leaves vLLM's own default, which depends on the device
+    (e.g. max_num_seqs 1024 on an H100/H200, 256 elsewhere and on CPU)."""
+    out: dict[str, object] = {"kv_cache_dtype": kv_cache_dtype, "tensor_parallel_size": tensor_parallel_size}
+    for name, value in (
+        ("gpu_memory_utilization", gpu_memory_utilization),
+        ("max_num_seqs", max_num_seqs),
+        ("max_num_batched_tokens", max_num_batched_tokens),
+    ):
+        if value is not None:
+            out[name] = value
+    return out
+
+
 def _inline_engine() -> bool:
     if "VLLM_ENABLE_V1_MULTIPROCESSING" in os.environ:
         return os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"

@@ -5,20 +5,21 @@ Empty `name` keeps the job single-turn, exactly as before.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-JsonScalar = str | int | float | bool | None
+from shared.limits import ARGS_MAX_KEYS, ArgKey, ArgScalar, SpecModel
 
 
-class EnvSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class EnvSpec(SpecModel):
     name: str = Field(
         "",
+        max_length=48,
         pattern=r"^[A-Za-z0-9_.-]{0,48}$",
         description="Registered environment (calc, guess, or a rollout plugin's); empty: single-turn completions.",
     )
-    args: dict[str, JsonScalar] = Field(default_factory=dict, description="Keyword arguments of the environment.")
+    args: dict[ArgKey, ArgScalar] = Field(
+        default_factory=dict, max_length=ARGS_MAX_KEYS, description="Keyword arguments of the environment."
+    )
     max_turns: int = Field(4, ge=1, le=64, description="Model turns per episode.")
     max_tokens: int = Field(
         128,

@@ -20,6 +20,14 @@ from shared.domain.tasks.base import TaskItem
 from shared.domain.tasks.spec import SourceSpec
 
 
+class SourceError(ValueError):
+    """A prompt source that cannot be read as configured; `field` is the SourceSpec field to fix."""
+
+    def __init__(self, message: str, *, field: str = "path") -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def _heldout(item_id: str, fraction: float) -> bool:
     h = int.from_bytes(hashlib.sha256(item_id.encode()).digest()[:8], "big")
     return h / 2**64 < fraction
@@ -31,13 +39,23 @@ def _as_field(v: Any) -> str:
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except ValueError as e:
-                    raise ValueError(f"{path}:{n} is not a JSON object: {e}") from e
+    n = 0
+    try:
+        with path.open(encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    row = json.loads(line)
+                    if not isinstance(row, dict):
+                        raise SourceError(
+                            f"{path}:{n} is a JSON {type(row).__name__}, not an object (JSONL: one per line)"
+                        )
+                    rows.append(row)
+    except UnicodeDecodeError as e:
+        raise SourceError(f"{path}:{n + 1} is not UTF-8 text: is it a JSONL file? ({e.reason})") from None
+    except json.JSONDecodeError as e:
+        raise SourceError(f"{path}:{n} is not a JSON object ({e.msg}): is it a JSONL file?") from None
+    except OSError as e:
+        raise SourceError(f"{path} cannot be read: {e.strerror or e}") from None
     return rows
 
 
@@ -46,7 +64,12 @@ def _read_parquet(path: Path) -> list[dict[str, Any]]:
         import pyarrow.parquet as pq
     except ImportError as e:
         raise ImportError("parquet tasks need pyarrow: pip install 'pyarrow>=14'") from e
-    return pq.read_table(path).to_pylist()
+    try:
+        return pq.read_table(path).to_pylist()
+    except OSError as e:  # pyarrow's ArrowInvalid is a ValueError, its IO errors OSErrors
+        raise SourceError(f"{path} cannot be read as parquet: {e}") from None
+    except ValueError as e:
+        raise SourceError(f"{path} is not a parquet file: {e}") from None
 
 
 def _read_hf(src: SourceSpec, split: str) -> list[dict[str, Any]]:
@@ -92,10 +115,17 @@ def _load(src_json: str, split: str, mtime: float) -> tuple[tuple[TaskItem, ...]
     held: list[TaskItem] = []
     for n, row in enumerate(rows):
         if not isinstance(row, dict) or src.prompt_field not in row:
-            raise ValueError(f"{src.path}: row {n} has no {src.prompt_field!r} column (set source.prompt_field)")
+            raise SourceError(
+                f"{src.path}: row {n} has no {src.prompt_field!r} column (set source.prompt_field)",
+                field="prompt_field",
+            )
         missing = [f for f in src.fields if f not in row]
         if missing:
-            raise ValueError(f"{src.path}: row {n} lacks columns {missing} (set source.fields)")
+            raise SourceError(f"{src.path}: row {n} lacks columns {missing} (set source.fields)", field="fields")
+        if src.id_field and src.id_field not in row:
+            raise SourceError(
+                f"{src.path}: row {n} has no {src.id_field!r} column (set source.id_field)", field="id_field"
+            )
         prompt = str(row[src.prompt_field])
         if src.id_field:
             item_id = str(row[src.id_field])
@@ -117,13 +147,13 @@ class FileTask:
         p = Path(self.source.path).expanduser()
         mtime = p.stat().st_mtime if p.exists() else 0.0
         if self.source.kind != "hf" and not p.is_file():
-            raise FileNotFoundError(f"task file {p} does not exist (task_spec.source.path)")
+            raise SourceError(f"task file {p} does not exist or is not a file (task_spec.source.path)")
         return _load(self.source.model_dump_json(), split, mtime)
 
     def train_items(self, seed: int) -> Iterator[TaskItem]:
         items = list(self._rows(self.source.split)[0])
         if not items:
-            raise ValueError(f"{self.source.path}: no training rows (all held out?)")
+            raise SourceError(f"{self.source.path}: no training rows (all held out?)", field="heldout_fraction")
         rng = random.Random(seed)
         while True:
             rng.shuffle(items)

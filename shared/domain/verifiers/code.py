@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from shared.domain.sandbox import Limits, SandboxUnavailable, check_isolation, run_code
-from shared.domain.verifiers.registry import Scored, VerifierError, register_verifier
+from shared.domain.verifiers.registry import Scored, VerifierError, register_arg_check, register_verifier
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
@@ -67,3 +67,14 @@ def code_tests(
     # Sandboxes are processes: threads only wait on them.
     with ThreadPoolExecutor(max_workers=max(1, min(int(parallel), len(completions)))) as ex:
         return list(ex.map(one, completions))
+
+
+@register_arg_check("code")
+def _check_code_args(args: Mapping[str, Any]) -> None:
+    # The verifier caps these (cpu_s 10, wall_s 30, memory_mb 1024); at or below 0 nothing can run.
+    for key in ("cpu_s", "wall_s", "memory_mb", "parallel"):
+        v = args.get(key)
+        if v is not None and not isinstance(v, bool) and isinstance(v, int | float) and v <= 0:
+            raise VerifierError(f"code {key} must be above 0, got {v!r}", arg=key)
+    if "tests" in args:
+        parse_tests(args["tests"])

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import httpx
 
-from shared.domain.verifiers.registry import Scored, VerifierError, register_verifier
+from shared.domain.verifiers.registry import Scored, VerifierError, register_arg_check, register_verifier
 
 ALLOW_ENV = "BURSTRL_REWARD_HTTP_ALLOW"
 
@@ -107,3 +107,23 @@ def openai_judge(
                 continue
             out.append(min(1.0, max(0.0, float(m.group()) / scale)))
     return out
+
+
+@register_arg_check("http")
+def _check_http_args(args: Mapping[str, Any]) -> None:
+    # Which URLs are allowed is the reward service's setting (BURSTRL_REWARD_HTTP_ALLOW), so
+    # the api checks only that there is one, of the right scheme.
+    url = args.get("url")
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise VerifierError(f"an HTTP verifier needs args.url (http:// or https://), got {url!r}", arg="url")
+    for key in ("timeout_s", "scale"):
+        v = args.get(key)
+        if isinstance(v, int | float) and not isinstance(v, bool) and v <= 0:
+            raise VerifierError(f"{key} must be above 0, got {v!r}", arg=key)
+
+
+@register_arg_check("openai_judge")
+def _check_judge_args(args: Mapping[str, Any]) -> None:
+    _check_http_args(args)
+    if not isinstance(args.get("model"), str) or not args["model"]:
+        raise VerifierError("openai_judge needs args.model (the served model name)", arg="model")

@@ -13,7 +13,10 @@ never make a service import anything.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import inspect
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from shared.plugins import import_plugins
@@ -36,10 +39,18 @@ class Scored(float):
 
 
 class VerifierError(ValueError):
-    """A verifier was misconfigured (missing field, bad argument): the message says what to fix."""
+    """A verifier was misconfigured (missing field, bad argument): the message says what to fix.
+
+    `arg` names the argument at fault, when one is (the api's 422 points at it)."""
+
+    def __init__(self, message: str, *, arg: str | None = None) -> None:
+        super().__init__(message)
+        self.arg = arg
 
 
 _VERIFIERS: dict[str, VerifierFn] = {}
+ArgCheck = Callable[[Mapping[str, Any]], None]
+_CHECKS: dict[str, ArgCheck] = {}
 
 
 def register_verifier(name: str, fn: VerifierFn | None = None, *, replace: bool = False) -> Any:
@@ -66,6 +77,74 @@ def get_verifier(name: str) -> VerifierFn:
 
 def verifier_names() -> list[str]:
     return sorted(_VERIFIERS)
+
+
+def register_arg_check(name: str) -> Callable[[ArgCheck], ArgCheck]:
+    """Decorator: `check(args)` raises VerifierError for a job's args of verifier `name` that
+    could never work (a regex that does not compile, a mode that does not exist). The api
+    runs it at submission, so a bad config is a 422 naming the field, not a reward of 0
+    with a "misconfigured" tag on every group."""
+
+    def add(check: ArgCheck) -> ArgCheck:
+        _CHECKS[name] = check
+        return check
+
+    return add
+
+
+_SIMPLE = (str, int, float, bool, type(None))
+
+
+def _accepted_types(hint: Any) -> tuple[type, ...] | None:
+    """The plain JSON types a parameter annotated `hint` takes; None when it takes others too."""
+    if hint in _SIMPLE:
+        return (hint,)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if all(a in _SIMPLE for a in args):
+            return tuple(args)
+    return None
+
+
+def _fits(value: Any, accepted: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):
+        return bool in accepted
+    if isinstance(value, int) and float in accepted:
+        return True
+    return isinstance(value, accepted)
+
+
+def check_verifier_args(name: str, args: Mapping[str, Any]) -> None:
+    """Raise VerifierError (saying which argument and what it takes) for args verifier `name`
+    cannot take: unknown names, wrong JSON types, values its own check refuses.
+
+    A verifier whose catch-all keyword parameter is named `_` ignores the rest, so an
+    unknown argument there is a typo; one that names it (`**fields`) reads them all.
+    """
+    fn = get_verifier(name)
+    try:
+        sig = inspect.signature(fn)
+        hints = typing.get_type_hints(fn)
+    except (TypeError, ValueError, NameError):  # a plugin with annotations we cannot resolve
+        sig, hints = None, {}
+    if sig is not None:
+        params = list(sig.parameters.values())[1:]  # the first is the completions
+        named = {p.name: p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        catch_all = next((p for p in params if p.kind is p.VAR_KEYWORD), None)
+        strict = catch_all is None or catch_all.name == "_"
+        for key, value in args.items():
+            if key not in named:
+                if strict:
+                    raise VerifierError(
+                        f"verifier {name!r} takes no argument {key!r}; it takes {sorted(named)}", arg=key
+                    )
+                continue
+            accepted = _accepted_types(hints.get(key))
+            if accepted is not None and not _fits(value, accepted):
+                want = " or ".join("null" if t is type(None) else t.__name__ for t in accepted)
+                raise VerifierError(f"verifier {name!r} argument {key!r} must be {want}, got {value!r}", arg=key)
+    if name in _CHECKS:
+        _CHECKS[name](args)
 
 
 def load_plugins(modules: Iterable[str]) -> list[str]:
