@@ -20,6 +20,7 @@ The MinIO, Caddy and Redis images come from docker/local/ (no registry here): co
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import shutil
 import subprocess
@@ -36,6 +37,8 @@ from tests.compose_harness import ROOT, Engine, Project, missing_tools, wait_for
 pytestmark = pytest.mark.containers
 
 MODEL = ROOT / ".burstrl" / "models" / "tiny-sft"
+# The sandbox checks' image; TEST_REWARD_IMAGE runs them against another build of it.
+REWARD_IMAGE = os.environ.get("TEST_REWARD_IMAGE", "localhost/burstrl/reward:0.1.0")
 HOME_FILES = ["compose.yaml", "compose.tls.yaml", "compose.test.yaml", "compose.test-tls.yaml"]
 BURST_FILES = [ROOT / "deploy" / "burst" / "compose.burst.yaml", "compose.test-burst.yaml"]
 JOB = {
@@ -58,7 +61,8 @@ import json
 from shared.domain.sandbox import check_isolation, run_code, run_program
 ok, why = check_isolation()
 solved = run_code("print(int(input()) * 2)", [{"stdin": "21", "stdout": "42"}, {"stdin": "5", "stdout": "10"}])
-seen = run_program("import os, socket\nprint(len([p for p in os.listdir('/proc') if p.isdigit()]))\n"
+seen = run_program("import os, socket\nprint(len([p for p in os.listdir('/proc') if p.isdigit()]) "
+                   "if os.path.isdir('/proc') else 'noproc')\n"
                    "s = socket.socket(); s.settimeout(1)\ntry:\n    s.connect(('redis', 6379)); print('net')\n"
                    "except OSError:\n    print('nonet')\n")
 print(json.dumps({"ok": ok, "why": why, "passed": solved.passed, "seen": seen.stdout.split()}))
@@ -298,17 +302,20 @@ NO_USERNS_SECCOMP = {
 
 
 @pytest.mark.parametrize(
-    ("opts", "isolated"),
+    ("opts", "isolated", "says"),
     [
-        ([], True),  # podman's default seccomp profile allows unprivileged user namespaces
-        (["--security-opt", "seccomp={profile}"], False),  # Docker's default does not: refused, never unsandboxed
-        (["--security-opt", "unmask=/proc/*"], True),  # Docker: systempaths=unconfined
+        # The engine's defaults: podman's seccomp profile allows user namespaces, but /proc is masked,
+        # and the sandbox refuses rather than run without a /proc of its own (docs/sandbox.md).
+        ([], False, "mount /proc: Operation not permitted"),
+        (["--security-opt", "unmask=/proc/*"], True, "private /proc"),  # Docker: systempaths=unconfined
+        (["-e", "BURSTRL_SANDBOX_PROC=off"], True, "no /proc"),
+        # Docker's default seccomp profile refuses the namespaces: refused, never run unsandboxed.
+        (["--security-opt", "unmask=/proc/*", "--security-opt", "seccomp={profile}"], False, "unshare failed"),
     ],
-    ids=["engine-default", "no-userns-seccomp", "unmasked-proc"],
+    ids=["engine-default", "unmasked-proc", "proc-off", "no-userns-seccomp"],
 )
-def test_what_the_reward_container_needs_for_code_rewards(request, tmp_path, opts, isolated):
-    """As the image's non-root uid, no capabilities, never --privileged: the sandbox needs the
-    namespace syscalls from seccomp, and a /proc without masked paths to mount a /proc of its own."""
+def test_what_the_reward_container_needs_for_code_rewards(request, tmp_path, opts, isolated, says):
+    """As the image's non-root uid, all capabilities dropped, no-new-privileges, never --privileged."""
     _selected(request)
     profile = tmp_path / "no-userns.json"
     profile.write_text(json.dumps(NO_USERNS_SECCOMP))
@@ -316,18 +323,17 @@ def test_what_the_reward_container_needs_for_code_rewards(request, tmp_path, opt
     out = subprocess.run(
         ["podman", "run", "--rm", "--name", name, "--cap-drop", "ALL", "--security-opt", "no-new-privileges"]
         + [o.format(profile=profile) for o in opts]
-        + ["-e", "BURSTRL_SANDBOX_PYTHON=/usr/local/bin/python3", "localhost/burstrl/reward:0.1.0"]
+        + ["-e", "BURSTRL_SANDBOX_PYTHON=/usr/local/bin/python3", REWARD_IMAGE]
         + ["python", "-c", SANDBOX_PROBE.replace("'redis'", "'10.0.0.1'")],
         capture_output=True,
         text=True,
         timeout=180,
     )
+    text = out.stdout + out.stderr
+    assert says in text, text[-3000:]
     if not isolated:
-        assert out.returncode != 0 or '"ok": false' in out.stdout, out.stdout
-        assert "unshare failed: Operation not permitted" in out.stdout + out.stderr, out.stdout + out.stderr[-2000:]
+        assert '"ok": true' not in out.stdout, out.stdout
         return
     assert out.returncode == 0, out.stderr[-3000:]
     probe = json.loads(out.stdout.splitlines()[-1])
     assert probe["ok"] and probe["passed"] == 2 and probe["seen"][-1] == "nonet", probe
-    if "unmask=/proc/*" in opts:
-        assert int(probe["seen"][0]) <= 2, f"the solution sees other processes: {probe}"  # its pid 1 and itself
