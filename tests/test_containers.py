@@ -105,6 +105,7 @@ def stack(request, tmp_path_factory):
         **s,
         "STORE_BUCKET": "burstrl",
         "BURSTRL_MODEL": JOB["base_model"],
+        "BURSTRL_MAX_MODEL_LEN": "256",  # the tiny model's context (compose's default, 2048, is Qwen's)
         "BURSTRL_IMAGE_TAG": "0.1.0",
         "TEST_MODEL_DIR": str(model),
         "TEST_API_PORT": str(ports["api"]),
