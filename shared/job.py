@@ -331,6 +331,9 @@ class JobRecord(BaseModel):
     created_at: float
     updated_at: float
     error: str = ""
+    # Earlier errors, oldest first (the last ERROR_HISTORY of them): a refusal that replaced
+    # another does not hide it. Kept by `update_job`, the one writer of records.
+    error_history: list[str] = Field(default_factory=list)
 
 
 def same_model(a: str, b: str) -> bool:
@@ -342,6 +345,10 @@ def same_model(a: str, b: str) -> bool:
         return str(p.resolve()) if p.exists() else x
 
     return a == b or norm(a) == norm(b)
+
+
+ERROR_HISTORY = 20  # earlier errors a job record keeps
+ERROR_CHARS = 2000  # each error is cut to this many characters (a record is read on every GET /v1/jobs)
 
 
 class UnreadableJob(ValueError):
@@ -390,8 +397,12 @@ def update_job(
                 if raw is None:
                     return None
                 rec = parse_job(job_id, raw)
+                before = rec.error
                 if change(rec) is False:
                     return rec
+                if before and rec.error != before:
+                    rec.error_history = [*rec.error_history, before[:ERROR_CHARS]][-ERROR_HISTORY:]
+                rec.error = rec.error[:ERROR_CHARS]
                 rec.updated_at = time.time()
                 pipe.multi()
                 pipe.hset(key, job_id, rec.model_dump_json())

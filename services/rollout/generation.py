@@ -107,7 +107,11 @@ class Generator:
                 units = self._episodes(batch, cfg, stats, episodes) if multi else self._groups(batch, cfg, stats)
                 # Settled in one pipelined round trip per batch (each group still atomically and at
                 # most once): a round trip per group cost ~15% of tokens/s on a small model.
-                self.bus.settle(units)
+                for (e, _, _), settled in zip(units, self.bus.settle_each(units), strict=True):
+                    if settled:  # handed on now: a group another replica already handed on is not ours
+                        self.m_groups.inc()
+                    else:
+                        stats[e.job_id]["groups"] -= 1
         finally:  # an engine outage mid-round: what was produced is still reported
             self._record(jobs, stats, episodes, round(time.time() - t0, 3))
 
@@ -202,7 +206,6 @@ class Generator:
     def _count(self, stats: dict, job_id: str, tokens: list[int], finish: list[str]) -> None:
         n = sum(tokens)
         self.m_tokens.inc(n)
-        self.m_groups.inc()
         self._win_tokens += n
         st = stats.setdefault(job_id, {"groups": 0, "tokens": 0, "samples": 0, "truncated": 0})
         st["groups"] += 1
