@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint format bench chaos plan clean down
+.PHONY: install install-containers images test-containers demo test test-fast lint format bench chaos plan clean down
 
 $(STAMP): pyproject.toml
 	# OS packages the tests need: redis-server (tests start their own), chromium (dashboard test).
@@ -21,6 +21,20 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# OS packages the container builds and tests need (podman + runc, debootstrap, Compose v2) and podman's
+# settings for this kind of host; idempotent. Kept out of `install`: the unit tests need none of it.
+install-containers:
+	docker/local/install-host.sh
+
+# Every CPU image (api, reward, laptop, rollout-remote, ref-remote) and the test stand-ins (Redis, S3,
+# TLS proxy) with podman, on a Debian base made here by debootstrap (no registry needed). Cached.
+images: install-containers
+	docker/local/build-images.sh
+
+# The inference box, a burst trainer over TLS, kills and restarts, all in containers (minutes).
+test-containers: $(STAMP) images
+	$(BIN)/python -m pytest -q -x -m containers tests/test_containers.py
 
 demo: $(STAMP)
 	$(BIN)/burstrl demo

@@ -18,7 +18,7 @@ from shared import keys
 from shared.bus import Bus
 from shared.job import JobRecord, JobSpec, JobState, insert_job
 from shared.lease import Lease
-from shared.policy import Manifest, advance_pointer, init_pointer, publish_version, version_prefix
+from shared.policy import MANIFEST, Manifest, advance_pointer, init_pointer, publish_version, version_prefix
 from shared.store import FileStore, ObjectStore
 
 if TYPE_CHECKING:
@@ -94,10 +94,11 @@ def full_version(model_dir: str, seed: int, scale: float = 0.02, task: str = "ar
 
 
 def publish(
-    store: ObjectStore, r: redis.Redis, job_id: str, version: int, files: dict[str, bytes], probe: dict
+    store: ObjectStore, r: redis.Redis, job_id: str, version: int, files: dict[str, bytes], probe: dict, epoch: int = 0
 ) -> None:
-    """Publish a version and move the job's policy pointer, as the trainer does (holding its lease)."""
-    m = Manifest(job_id=job_id, version=version, step=version, base_model="", files={}, probe=probe)
+    """Publish a version and move the job's policy pointer, as the trainer does (holding its
+    lease). `epoch`: the lease epoch its manifest carries (shared/fence.py)."""
+    m = Manifest(job_id=job_id, version=version, step=version, base_model="", files={}, probe=probe, epoch=epoch)
     publish_version(store, m, files)
     lease = Lease(r, job_id, "bench-trainer", 60)
     if not lease.acquire():
@@ -106,6 +107,16 @@ def publish(
         advance_pointer(r, job_id, version, lease.fence)
     finally:
         lease.release()
+
+
+def republish(
+    store: ObjectStore, r: redis.Redis, job_id: str, version: int, files: dict[str, bytes], probe: dict, epoch: int = 0
+) -> None:
+    """Publish an existing version again, as the trainer repairs a corrupt, forged or deposed
+    one: its manifest goes first (no reader sees new files under the old one), then the files
+    and a new manifest."""
+    store.delete(f"{version_prefix(job_id, version)}/{MANIFEST}")
+    publish(store, r, job_id, version, files, probe, epoch)
 
 
 def corrupt(store: ObjectStore, job_id: str, version: int, name: str = "adapter_model.safetensors") -> None:

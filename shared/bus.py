@@ -58,17 +58,17 @@ class BusStats:
 # One call settles a batch of units, each at most once. KEYS: every stream and ledger
 # key the batch touches. ARGV: group, field, n_units, then per unit: input key index,
 # entry id, ledger key index, n_outputs, (output key index, payload)..., n_counters,
-# (name, n)... Returns how many units were settled now (their XACK removed the entry).
+# (name, n)... Returns one flag per unit: 1 if it was settled now (its XACK removed the entry).
 SETTLE_LUA = """
 local group, field = ARGV[1], ARGV[2]
-local i, done = 4, 0
+local i, flags = 4, {}
 local sums, order = {}, {}  -- counters summed per (ledger, name): one HINCRBY each
 for _ = 1, tonumber(ARGV[3]) do
   local fresh = redis.call('XACK', KEYS[tonumber(ARGV[i])], group, ARGV[i + 1]) == 1
   local ledger = KEYS[tonumber(ARGV[i + 2])]
   local nout = tonumber(ARGV[i + 3])
   i = i + 4
-  if fresh then done = done + 1 end
+  table.insert(flags, fresh and 1 or 0)
   for _ = 1, nout do
     if fresh then redis.call('XADD', KEYS[tonumber(ARGV[i])], '*', field, ARGV[i + 1]) end
     i = i + 2
@@ -88,7 +88,7 @@ for _ = 1, tonumber(ARGV[3]) do
   end
 end
 for _, c in ipairs(order) do redis.call('HINCRBY', c[1], c[2], sums[c[3]]) end
-return done
+return flags
 """
 
 
@@ -434,8 +434,13 @@ class Bus:
         was reclaimed and handled by another replica therefore cannot hand the entry on a
         second time or count it twice. Returns the units settled now.
         """
+        return sum(self.settle_each(units))
+
+    def settle_each(self, units: list[tuple[Entry, list[tuple[str, bytes]], dict[str, int]]]) -> list[bool]:
+        """`settle`, saying for each unit whether it was settled now (False: already
+        acknowledged elsewhere, so nothing of it was handed on or counted)."""
         if not units:
-            return 0
+            return []
         t0 = time.perf_counter()
         index: dict[str, int] = {}
 
@@ -450,11 +455,24 @@ class Bus:
             args.append(len(counters))
             for name, n in counters.items():
                 args += [name, n]
-        done = int(self._settle_script(keys=list(index), args=args))
+        flags = [bool(int(x)) for x in self._settle_script(keys=list(index), args=args)]
         self.stats.settle_s += time.perf_counter() - t0
-        if done < len(units):
-            log.warning("%d of %d entries were already acknowledged elsewhere; skipped", len(units) - done, len(units))
-        return done
+        if not all(flags):
+            skipped = flags.count(False)
+            log.warning("%d of %d entries were already acknowledged elsewhere; skipped", skipped, len(units))
+        return flags
+
+    def redo_or_dead_letter(self, e: Entry, reason: str) -> bool:
+        """An entry this consumer failed to handle, through no fault of the service (an engine
+        refused its request, say): left pending, so a later read delivers it again, until it
+        has been delivered `max_deliveries` times; then dead-lettered with `reason`, which
+        says more than the reclaim pass's "delivered N times". True: dead-lettered."""
+        pending = self.r.xpending_range(e.stream, self.group, min=e.id, max=e.id, count=1)
+        delivered = int(pending[0]["times_delivered"]) if pending else 0
+        if delivered < self.max_deliveries:
+            return False
+        self.dead_letter(e, f"{reason} (delivered {delivered} times)")
+        return True
 
     def dead_letter(self, e: Entry, reason: str) -> None:
         log.error("dead-lettering %s %s: %s", e.stream, e.id, reason)

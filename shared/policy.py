@@ -7,7 +7,9 @@ readers verify every file's sha256 against it before use.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,18 +20,20 @@ import redis
 from shared import keys
 from shared.fence import refusal
 from shared.lease import FENCE_CHECK, Fence, LeaseLost
-from shared.store import MANIFEST, ObjectStore, StoreError, VerificationError, get_folder, put_folder
+from shared.store import MANIFEST, ObjectStore, StoreError, VerificationError, get_files, put_folder
 
 __all__ = [
     "MANIFEST",
     "DeposedWrite",
     "Manifest",
+    "ManifestError",
     "ProbeMismatch",
     "VerificationError",
     "check_probe",
     "fetch_version",
     "latest_version",
     "make_probe",
+    "parse_manifest",
     "publish_version",
     "read_pointer",
     "advance_pointer",
@@ -85,6 +89,11 @@ class Manifest:
     epoch: int = 0  # the writer's lease epoch (shared/fence.py); 0: written before fencing
 
 
+class ManifestError(StoreError):
+    """A version's manifest is missing, not JSON, or lacks a field or has one of the wrong
+    type: the version cannot be read at all (a reader refuses it until the manifest changes)."""
+
+
 class DeposedWrite(VerificationError):
     """A version or checkpoint written by a trainer after another took its job over: never used."""
 
@@ -138,17 +147,76 @@ def publish_version(
     return prefix
 
 
-def read_manifest(store: ObjectStore, job_id: str, version: int) -> Manifest:
-    """A version's manifest alone (no file is read or verified)."""
-    meta = json.loads(store.get(f"{version_prefix(job_id, version)}/{MANIFEST}"))
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "job_id": (str,),
+    "version": (int,),
+    "step": (int,),
+    "base_model": (str,),
+    "files": (dict,),
+    "created_at": (int, float),
+    "probe": (dict,),
+    "epoch": (int,),
+}
+_REQUIRED = ("job_id", "version", "step", "base_model", "files")
+assert set(_FIELD_TYPES) == {f.name for f in dataclasses.fields(Manifest)}
+
+
+def parse_manifest(raw: bytes, where: str = "manifest") -> Manifest:
+    """A version's manifest from its bytes; raises ManifestError, naming what is wrong.
+
+    Manifests come from the store, which a reader must not trust (docs/architecture.md,
+    invariant 8): every field is type-checked here, so nothing downstream meets a KeyError
+    or a TypeError from a forged or torn manifest. File names are plain names: a reader
+    writes each file into its own folder, and `../x` must not leave it."""
+    try:
+        meta = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ManifestError(f"{where}: not JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise ManifestError(f"{where}: not a JSON object")
+    if missing := [k for k in _REQUIRED if k not in meta]:
+        raise ManifestError(f"{where}: missing {', '.join(missing)}")
+    if unknown := sorted(set(meta) - set(_FIELD_TYPES)):
+        raise ManifestError(f"{where}: unknown fields {', '.join(unknown)}")
+    for k, v in meta.items():
+        if not isinstance(v, _FIELD_TYPES[k]) or isinstance(v, bool):
+            raise ManifestError(f"{where}: {k} is {type(v).__name__}, not {_FIELD_TYPES[k][0].__name__}")
+    for name, digest in meta["files"].items():
+        if not name or "/" in name or "\\" in name or name in (".", "..") or not isinstance(digest, str):
+            raise ManifestError(f"{where}: bad file entry {name!r}: {digest!r}")
+    probe = meta.get("probe") or {}
+    if probe:
+        ids, lps = probe.get("token_ids"), probe.get("logprobs")
+        if (
+            set(probe) != {"token_ids", "logprobs"}
+            or not isinstance(ids, list)
+            or not isinstance(lps, list)
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+            or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in lps)
+            or len(ids) < 2
+            or len(lps) != len(ids) - 1
+        ):
+            raise ManifestError(f"{where}: probe is not {{token_ids: n >= 2 ints, logprobs: n - 1 numbers}}")
     return Manifest(**meta)
 
 
-def fetch_version(store: ObjectStore, job_id: str, version: int, dest: Path) -> Manifest:
+def read_manifest(store: ObjectStore, job_id: str, version: int) -> Manifest:
+    """A version's manifest alone (no file is read or verified)."""
+    key = f"{version_prefix(job_id, version)}/{MANIFEST}"
+    return parse_manifest(store.get(key), key)
+
+
+def fetch_version(
+    store: ObjectStore, job_id: str, version: int, dest: Path, *, manifest: Manifest | None = None
+) -> Manifest:
     """Download a version into a fresh folder `dest`, verifying every hash and that no deposed
-    trainer wrote it (raises DeposedWrite, a VerificationError, then)."""
-    meta, files = get_folder(store, version_prefix(job_id, version))
-    manifest = Manifest(**meta)
+    trainer wrote it (raises DeposedWrite, a VerificationError, then).
+
+    `manifest`: the version's manifest as the caller already read it (rollout keys its
+    decisions on those exact bytes); the files are checked against it, not re-read."""
+    if manifest is None:
+        manifest = read_manifest(store, job_id, version)
+    files = get_files(store, version_prefix(job_id, version), manifest.files)
     if why := refusal(store, job_id, "version", version, manifest.epoch):
         raise DeposedWrite(why)
     dest.mkdir(parents=True, exist_ok=True)

@@ -3,15 +3,37 @@
 An eviction policy other than `noeviction` can silently drop a whole stream under
 memory pressure, so we refuse to run on one. AOF off means a Redis crash loses the
 last moments of the run: allowed (CI, a throwaway laptop) but logged loudly.
+A wrong password or a certificate we do not trust is a refusal too: waiting for Redis
+is right while it restarts, but no amount of waiting fixes those (a burst trainer
+would sit not-ready for its whole rental), so `refusal` tells them apart.
 """
 
 from __future__ import annotations
+
+import ssl
 
 import redis
 
 
 class RedisPolicyError(RuntimeError):
     """Redis is configured in a way that can lose data; the message says how to fix it."""
+
+
+def refusal(e: BaseException) -> str | None:
+    """Why connecting can never succeed as configured (credentials, TLS trust), with the fix; None
+    for errors worth waiting out (Redis down, restarting, loading its AOF)."""
+    if isinstance(e, redis.AuthenticationError):  # WRONGPASS, NOAUTH, a password the server lacks
+        return f"Redis refused the credentials in REDIS_URL ({e}): use the server's requirepass"
+    cause: BaseException | None = e
+    while cause is not None:
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            return (
+                f"Redis's TLS certificate is not trusted ({cause.verify_message or cause}): give the CA that "
+                "signed it (rediss://...?ssl_ca_certs=/path/ca.crt, or BURST_CA_CERT for the burst recipe) "
+                "and dial the name the certificate carries"
+            )
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def connect(url: str) -> redis.Redis:

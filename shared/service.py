@@ -27,7 +27,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from shared import __version__, keys
 from shared.dataset import DatasetGuard
-from shared.redis_conn import RedisPolicyError, check_server, connect
+from shared.redis_conn import RedisPolicyError, check_server, connect, refusal
 from shared.schema import Heartbeat, encode_heartbeat
 from shared.settings import DEFAULT_PORTS, CommonSettings
 
@@ -180,13 +180,17 @@ class ServiceRuntime:
             self.stop.wait(period)
 
     def preflight(self) -> None:
-        """Wait for Redis (not-ready meanwhile), then refuse to run on an evicting server."""
+        """Wait for Redis (not-ready meanwhile), then refuse to run on an evicting server, or with
+        credentials or a certificate that waiting cannot make good (exit 2, the fix in the log)."""
         delay = 0.25
         while not self.stop.is_set():
             try:
                 self.redis.ping()
                 break
             except redis.ConnectionError as e:
+                if why := refusal(e):
+                    log.critical("%s", why)
+                    raise SystemExit(2) from e
                 self.health.set("redis", False, f"unreachable: {e}")
                 self.stop.wait(delay)
                 delay = min(10.0, delay * 2)

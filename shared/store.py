@@ -209,11 +209,16 @@ def put_folder(
 def get_folder(store: ObjectStore, prefix: str) -> tuple[dict[str, Any], dict[str, bytes]]:
     """The manifest and every file of a folder, each checked against its sha256."""
     manifest = json.loads(store.get(f"{prefix}/{MANIFEST}"))
+    return manifest, get_files(store, prefix, manifest["files"])
+
+
+def get_files(store: ObjectStore, prefix: str, digests: dict[str, str]) -> dict[str, bytes]:
+    """The files `digests` names (name -> sha256) under prefix, each checked against its sha256."""
     files = {}
-    for name, digest in manifest["files"].items():
+    for name, digest in digests.items():
         data = store.get(f"{prefix}/{name}")
         got = hashlib.sha256(data).hexdigest()
         if got != digest:
             raise VerificationError(f"{prefix}/{name}: sha256 {got[:12]} != manifest {digest[:12]}")
         files[name] = data
-    return manifest, files
+    return files

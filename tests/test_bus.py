@@ -102,6 +102,21 @@ def test_settle_is_at_most_once_when_a_slow_consumer_wakes_up(r):
     assert audit(r, JOB).balanced
 
 
+def test_settle_each_says_which_units_were_handed_on_now(r):
+    """What a stage reports as handed on must be what it handed on: a unit another replica
+    settled first is not (issue 18: reward and rollout counted skipped groups)."""
+    _flow(r, 3)
+    slow = Bus(r, keys.GROUP_ROLLOUT, "slow", claim_idle_ms=20)
+    mine = slow.read([keys.prompts(JOB)], count=3, block_ms=50)
+    time.sleep(0.05)
+    fast = Bus(r, keys.GROUP_ROLLOUT, "fast", claim_idle_ms=20)
+    taken = fast.read([keys.prompts(JOB)], count=1, block_ms=50)
+    assert fast.settle_each([(taken[0], [(keys.rollouts(JOB), b"out")], {"produced": 1})]) == [True]
+    flags = slow.settle_each([(e, [(keys.rollouts(JOB), b"out")], {"produced": 1}) for e in mine])
+    assert flags == [e.id != taken[0].id for e in mine] and flags.count(True) == 2
+    assert read_ledger(r, JOB)["produced"] == 3 and r.xlen(keys.rollouts(JOB)) == 3
+
+
 def test_batch_ack_needs_one_count_per_entry(r):
     _flow(r, 2)
     bus = Bus(r, keys.GROUP_ROLLOUT, "c")

@@ -231,6 +231,67 @@ def test_compose_overrides_merge_into_a_valid_model(name: str, compose_schema: d
     jsonschema.Draft202012Validator(compose_schema).validate(merge(base, over))
 
 
+class _TaggedLoader(yaml.SafeLoader):
+    """Compose's merge tags: `!reset` drops a value from the files before, `!override` replaces it."""
+
+
+for _tag in ("!reset", "!override"):
+    _TaggedLoader.add_constructor(
+        _tag,
+        lambda loader, node: (
+            loader.construct_mapping(node, deep=True)
+            if isinstance(node, yaml.MappingNode)
+            else loader.construct_sequence(node, deep=True)
+            if isinstance(node, yaml.SequenceNode)
+            else loader.construct_scalar(node) or None
+        ),
+    )
+
+TEST_OVERRIDES = {
+    "compose.test.yaml": ["compose.yaml"],
+    "compose.test-tls.yaml": ["compose.yaml", "compose.tls.yaml"],
+    "compose.test-burst.yaml": ["../deploy/burst/compose.burst.yaml"],
+}
+TEST_ENV = {"TEST_MODEL_DIR": "/tmp/model", "TEST_API_PORT": "18700", "TEST_REDIS_TLS_PORT": "16380"}
+TEST_ENV |= {"TEST_STORE_TLS_PORT": "19443"}
+
+
+def burst_compose_env() -> dict[str, str]:
+    """deploy/burst/trainer.env.example, filled in as a user's trainer.env would be."""
+    env = dotenv(ROOT / "deploy" / "burst" / "trainer.env.example") | {"BURSTRL_TOKEN": "0123456789abcdef0123456789"}
+    return env | {"AWS_ACCESS_KEY_ID": "burstrl", "AWS_SECRET_ACCESS_KEY": "0123456789abcdef"}
+
+
+@pytest.mark.parametrize("name", sorted(TEST_OVERRIDES))
+def test_container_test_overrides_are_valid_and_name_known_services(name: str, compose_schema: dict[str, Any]) -> None:
+    """The container tests' stand-ins (tests/test_containers.py) validate, and override only what exists."""
+    raw = yaml.load((COMPOSE / name).read_text(), Loader=_TaggedLoader)  # noqa: S506 (SafeLoader subclass)
+    doc = interpolate(raw, filled_env() | TEST_ENV)
+    jsonschema.Draft202012Validator(compose_schema).validate(doc)
+    known: set[str] = set()
+    for base in TEST_OVERRIDES[name]:
+        known |= set(load_compose(base, burst_compose_env() if "burst" in base else None)["services"])
+    assert set(doc["services"]) <= known, f"{name} names unknown services: {set(doc['services']) - known}"
+    for svc_name, svc in doc["services"].items():
+        check_env_names(env_keys(svc), f"{name}:{svc_name}")
+        image = svc.get("image", "")
+        assert not image or image.startswith(("localhost/burstrl-local/", "burstrl/")), f"{svc_name}: {image}"
+
+
+def test_burst_compose_runs_the_recipe_and_requires_its_secrets(compose_schema: dict[str, Any]) -> None:
+    path = "../deploy/burst/compose.burst.yaml"
+    env = burst_compose_env()
+    doc = load_compose(path, env)
+    jsonschema.Draft202012Validator(compose_schema).validate(doc)
+    trainer = doc["services"]["trainer"]
+    assert trainer["command"] == ["burstrl-burst"] and trainer["restart"] == "on-failure"
+    assert trainer["image"].startswith("burstrl/trainer:")
+    check_env_names(env_keys(trainer), "compose.burst.yaml")
+    for secret in ("REDIS_URL", "STORE_ENDPOINT_URL", "AWS_SECRET_ACCESS_KEY", "BURSTRL_TOKEN"):
+        with pytest.raises(MissingRequired, match=secret):
+            load_compose(path, {k: v for k, v in env.items() if k != secret})
+
+
 def test_schema_check_catches_a_bad_file(compose_schema: dict[str, Any]) -> None:
     """The validation above would notice a broken file (not a schema that accepts anything)."""
     bad = {"services": {"x": {"image": "redis:7", "depends_on": {"y": {"condition": "when_i_feel_like_it"}}}}}
@@ -435,6 +496,23 @@ def test_dockerfile_targets_users_healthchecks_and_pins() -> None:
                 assert re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][A-Za-z0-9.+]*", line.strip()), f"{req}: {line}"
 
 
+def test_image_requirements_pin_every_dependency_pyproject_declares() -> None:
+    """The images install requirements-*.txt and then burstrl with --no-deps: a dependency missing
+    there is missing in the image (math-verify was: the reward image could not verify math)."""
+
+    def names(specs: list[str]) -> set[str]:
+        return {re.split(r"[<>=!~\[; ]", spec, maxsplit=1)[0].lower().replace("_", "-") for spec in specs}
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for req, wanted in [
+        ("requirements-slim.txt", names(project["dependencies"])),
+        ("requirements-ml.txt", names(project["optional-dependencies"]["ml"]) - {"torch"}),  # torch: per image
+    ]:
+        lines = [ln for ln in (ROOT / "docker" / req).read_text().splitlines() if ln.strip() and ln[0] != "#"]
+        pinned = names(lines)
+        assert wanted <= pinned, f"docker/{req} misses {sorted(wanted - pinned)} (pyproject.toml declares them)"
+
+
 def test_healthcheck_script_matches_the_services_ports() -> None:
     tree = ast.parse((ROOT / "docker" / "healthcheck.py").read_text())
     ports = next(
@@ -538,6 +616,26 @@ def test_k8s_overlay_renders_and_validates(overlay: str) -> None:
         assert ("Job", "trainer") not in by_kind, "the MI50 cluster's trainer is the rented burst"
         engine = next(c for c in containers(rollout) if c["name"] == "engine")
         assert "vllm-gfx906" in engine["image"] and engine["resources"]["limits"]["amd.com/gpu"] == 1
+
+
+@pytest.mark.parametrize("overlay", ["nvidia", "mi50"])
+def test_k8s_services_called_by_name_have_a_service(overlay: str) -> None:
+    """What other pods call by name has a Service: the api (clients), reward (rollout's tool calls
+    run in its sandbox). rollout and ref are only scraped per pod; they pull their work from Redis."""
+    docs = render(overlay)
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    config = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "burstrl-config")
+    for d in docs:
+        if d["kind"] != "Deployment" or d["metadata"]["name"] not in ("api", "reward"):
+            continue
+        name = d["metadata"]["name"]
+        assert name in services, f"Deployment {name} has no Service"
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        assert services[name]["spec"]["selector"].items() <= labels.items(), f"Service {name} selects no pod"
+        ports = {p["containerPort"] for c in containers(d) for p in c.get("ports", [])}
+        assert {p["port"] for p in services[name]["spec"]["ports"]} & ports, f"Service {name}: wrong port"
+    url = config["data"]["BURSTRL_TOOLS_SANDBOX_URL"]
+    assert url == f"http://reward:{DEFAULT_PORTS['reward']}" and "reward" in services
 
 
 def test_k8s_validation_catches_a_bad_manifest() -> None:

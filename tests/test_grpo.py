@@ -12,6 +12,7 @@ from services.trainer.advantages import (
     rloo_advantages,
     zero_variance_groups,
 )
+from services.trainer.corrections import mismatch_correction
 from services.trainer.losses import (
     LossConfig,
     aggregate,
@@ -20,7 +21,6 @@ from services.trainer.losses import (
     kl_k3,
     lr_lambda,
     masked_mean,
-    mismatch_weights,
     policy_loss,
 )
 from shared.ml.logprobs import token_logprobs, token_logprobs_and_entropy
@@ -106,16 +106,19 @@ def test_mismatch_weights_truncate_and_mask_at_token_and_sequence_level():
     old = torch.tensor([[0.0, 0.0, 0.0]])
     sampler = torch.tensor([[0.0, -2.0, -0.1]])  # ratios 1, e^2 (> cap), e^0.1
     mask = torch.ones(1, 3)
-    w, hit = mismatch_weights(old, sampler, mask, mode="token_truncate", cap=2.0)
-    assert torch.allclose(w, torch.tensor([[1.0, 2.0, math.exp(0.1)]])) and hit.tolist() == [[False, True, False]]
-    w, hit = mismatch_weights(old, sampler, mask, mode="token_mask", cap=2.0)
-    assert torch.allclose(w, torch.tensor([[1.0, 0.0, math.exp(0.1)]]))
-    w, hit = mismatch_weights(old, sampler, mask, mode="sequence_truncate", cap=2.0)
-    assert w.shape == (1, 1) and w.item() == pytest.approx(2.0) and hit.all()
-    w, _ = mismatch_weights(old, sampler, mask, mode="sequence_mask", cap=100.0)
-    assert w.item() == pytest.approx(math.exp(2.1), rel=1e-5)
-    w, hit = mismatch_weights(old, sampler, mask, mode="token_mask", cap=10.0, floor=0.5)
-    assert w.tolist() == [[1.0, pytest.approx(math.exp(2)), pytest.approx(math.exp(0.1))]] and not hit.any()
+    c = mismatch_correction(old, sampler, mask, mode="token_truncate", cap=2.0)
+    assert torch.allclose(c.weight, torch.tensor([[1.0, 2.0, math.exp(0.1)]]))
+    assert c.truncated.tolist() == [[False, True, False]] and not c.masked.any()
+    c = mismatch_correction(old, sampler, mask, mode="token_mask", cap=2.0)
+    assert torch.allclose(c.weight, torch.tensor([[1.0, 0.0, math.exp(0.1)]]))
+    assert c.masked.tolist() == [[False, True, False]] and not c.truncated.any()
+    c = mismatch_correction(old, sampler, mask, mode="sequence_truncate", cap=2.0)
+    assert c.weight.shape == (1, 1) and c.weight.item() == pytest.approx(2.0) and c.truncated.all()
+    c = mismatch_correction(old, sampler, mask, mode="sequence_mask", cap=100.0)
+    assert c.weight.item() == pytest.approx(math.exp(2.1), rel=1e-5)
+    c = mismatch_correction(old, sampler, mask, mode="token_mask", cap=10.0, floor=0.5)
+    assert c.weight.tolist() == [[1.0, pytest.approx(math.exp(2)), pytest.approx(math.exp(0.1))]]
+    assert not c.masked.any()
 
 
 def _cfg(**kw) -> LossConfig:

@@ -9,6 +9,7 @@ are torn down before the next starts): vLLM engines are heavy on a small machine
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,11 +23,13 @@ from bench.rollout_common import (
     full_version,
     lora_version,
     publish,
+    republish,
     start_vllm_server,
     wait_vllm_server,
 )
 from services.cli.launch import free_port, terminate
-from services.rollout.engine import AdapterError, Engine, SamplingConfig
+from services.rollout.engine import Engine, SamplingConfig
+from services.rollout.errors import AdapterError, EngineRequestRefused
 from services.rollout.settings import RolloutSettings
 from services.rollout.worker import RolloutWorker
 from shared import keys
@@ -45,6 +48,21 @@ pytestmark = pytest.mark.slow
 def versions(tiny_model: Path) -> dict[str, tuple[dict[str, bytes], dict]]:
     """Three different random LoRAs of the tiny model with their probes (computed once)."""
     return {name: lora_version(str(tiny_model), seed) for name, seed in (("a", 1), ("b", 2), ("c", 3))}
+
+
+def _worker(engine: Engine, tiny_model: Path, tmp: Path, redis_url: str, **settings: object):  # noqa: ANN202
+    s = RolloutSettings(
+        model=str(tiny_model),
+        redis_url=redis_url,
+        store_url=f"file://{tmp / 'store'}",
+        dev=True,
+        data_dir=tmp,
+        **settings,
+    )
+    rt = ServiceRuntime("rollout", s)
+    rt.health.set("engine", True)
+    store = FileStore(tmp / "store")
+    return RolloutWorker(rt, s, engine, store), store, TestClient(rt.app)
 
 
 def _generation_checks(engine: Engine, tiny_model: Path, tmp: Path, versions: dict) -> None:
@@ -80,18 +98,16 @@ def _generation_checks(engine: Engine, tiny_model: Path, tmp: Path, versions: di
     with pytest.raises(AdapterError):
         engine.load_adapter(f"gen-{tmp.name}-policy-v2", str(bad))
     assert engine.generate(["1+2="], [adapter], cfg)[0].samples
+    # A prompt longer than the context is refused as a request (a remote server's HTTP 400),
+    # not as an engine outage or a bug; the engine keeps serving.
+    with pytest.raises(EngineRequestRefused):
+        engine.generate(["1+2=", "1+" * 300], [adapter, adapter], cfg)
+    assert engine.generate(["1+2="], [adapter], cfg)[0].samples
     engine.unload(adapter)
 
 
 def _adoption_checks(engine: Engine, tiny_model: Path, tmp: Path, redis_url: str, r, versions: dict) -> None:  # noqa: ANN001
-    settings = RolloutSettings(
-        model=str(tiny_model), redis_url=redis_url, store_url=f"file://{tmp / 'store'}", dev=True, data_dir=tmp
-    )
-    rt = ServiceRuntime("rollout", settings)
-    rt.health.set("engine", True)
-    store = FileStore(tmp / "store")
-    worker = RolloutWorker(rt, settings, engine, store)
-    http = TestClient(rt.app)
+    worker, store, http = _worker(engine, tiny_model, tmp, redis_url)
     job = add_job(r, str(tiny_model), group_size=2, max_staleness=1, eval_size=0)
 
     publish(store, r, job.id, 1, *versions["a"])
@@ -147,6 +163,74 @@ def _adoption_checks(engine: Engine, tiny_model: Path, tmp: Path, redis_url: str
     worker.close()
 
 
+def _repair_checks(engine: Engine, tiny_model: Path, tmp: Path, redis_url: str, r, versions: dict) -> None:  # noqa: ANN001
+    """A refused version the trainer publishes again (a new manifest) is tried again and adopted."""
+    from shared.fence import record_takeover
+
+    worker, store, http = _worker(engine, tiny_model, tmp, redis_url, refusal_recheck_s=0.0)
+    job = add_job(r, str(tiny_model), group_size=2, max_staleness=1, eval_size=0)
+
+    def refusals() -> list[tuple[int, str]]:
+        return [(p["version"], p["kind"]) for p in read_points(r, job.id, "rollout_version") if p["event"] == "refused"]
+
+    publish(store, r, job.id, 1, *versions["a"])
+    worker.refresh_jobs()
+    view = worker.jobs[job.id]
+    # v2 corrupt in the store: refused, and not downloaded again while its manifest stays.
+    publish(store, r, job.id, 2, *versions["b"])
+    corrupt(store, job.id, 2)
+    for _ in range(3):
+        worker.refresh_jobs()
+    assert view.version == 1 and refusals() == [(2, "hash")]
+    # The trainer republishes it: tried again, verified, probed, adopted.
+    republish(store, r, job.id, 2, *versions["b"])
+    worker.refresh_jobs()
+    assert view.version == 2 and view.current.adapter is not None
+    assert (
+        check_probe(versions["b"][1], engine.prompt_logprobs(versions["b"][1]["token_ids"], view.current.adapter), 1e-3)
+        < 1e-3
+    )
+    # v3 written by a deposed trainer (epoch 1, after trainer B took over with epoch 5 finding v2):
+    # refused as such; B publishes v3 again itself, and it is adopted.
+    record_takeover(store, job.id, 5, "trainer-b", version=2, checkpoint=-1)
+    publish(store, r, job.id, 3, *versions["c"], epoch=1)
+    worker.refresh_jobs()
+    assert view.version == 2 and refusals() == [(2, "hash"), (3, "deposed")]
+    assert "v3 refused (deposed)" in http.get("/readyz").json()["checks"][f"policy:{job.id}"]["reason"]
+    republish(store, r, job.id, 3, *versions["c"], epoch=5)
+    worker.refresh_jobs()
+    assert view.version == 3 and http.get("/readyz").status_code == 200 and load_job(r, job.id).error == ""
+    worker.close()
+
+
+def _eval_lease_checks(engine: Engine, tiny_model: Path, tmp: Path, redis_url: str, r, versions: dict) -> None:  # noqa: ANN001
+    """A version under evaluation stays loaded while a newer one is adopted and generates."""
+    worker, store, _ = _worker(engine, tiny_model, tmp, redis_url, eval_chunk=4, eval_samples=2)
+    job = add_job(r, str(tiny_model), group_size=2, max_staleness=0, eval_size=12, sampling={"max_tokens": 6})
+    publish(store, r, job.id, 1, *versions["a"])
+    worker.refresh_jobs()
+    view = worker.jobs[job.id]
+    worker.evaluator.step(worker.jobs)  # v1's evaluation: its first round of 3
+    v1 = view.current
+    assert view.evaluating is v1 and worker.evaluator.running[job.id].next == 4
+    publish(store, r, job.id, 2, *versions["b"])
+    r.xadd(keys.prompts(job.id), {FIELD: encode(PromptMsg(job_id=job.id, group_id="g1", item_id="i", prompt="1+2="))})
+    worker.tick()  # adopted within this tick, between v1's evaluation rounds
+    assert view.version == 2 and view.retiring == [v1] and worker.evaluator.running[job.id].next == 8
+    (_, fields), *_ = r.xrange(keys.rollouts(job.id))
+    assert decode(fields[FIELD], GroupMsg).policy_version == 2
+    probe_a = versions["a"][1]
+    assert check_probe(probe_a, engine.prompt_logprobs(probe_a["token_ids"], v1.adapter), 1e-3) < 1e-3  # still v1
+    for _ in range(200):
+        worker.tick()
+        if r.hexists(keys.evals(job.id), "1"):
+            break
+    ev = json.loads(r.hget(keys.evals(job.id), "1"))
+    assert ev["n_prompts"] == 12 and ev["samples_per_prompt"] == 2 and 0.0 <= ev["pass@1"] <= 1.0
+    assert not view.retiring and v1.folder is not None and not v1.folder.exists()  # given back: unloaded
+    worker.close()
+
+
 # Class-scoped, so the in-process engine is gone before the remote server starts.
 @pytest.fixture(scope="class")
 def inprocess_engine(tiny_model: Path) -> Iterator[Engine]:
@@ -187,14 +271,7 @@ def _full_weight_checks(engine: Engine, tiny_model: Path, tmp: Path, redis_url: 
 
     from services.trainer.policy import load_full_weights, load_policy
 
-    settings = RolloutSettings(
-        model=str(tiny_model), redis_url=redis_url, store_url=f"file://{tmp / 'store'}", dev=True, data_dir=tmp
-    )
-    rt = ServiceRuntime("rollout", settings)
-    rt.health.set("engine", True)
-    store = FileStore(tmp / "store")
-    worker = RolloutWorker(rt, settings, engine, store)
-    http = TestClient(rt.app)
+    worker, store, http = _worker(engine, tiny_model, tmp, redis_url)
     job = add_job(r, str(tiny_model), group_size=4, eval_size=0, sampling={"temperature": 1.0, "max_tokens": 6})
     files_a, probe_a = versions["a"]
     assert "adapter_config.json" not in files_a and "model.safetensors" in files_a
@@ -241,8 +318,8 @@ def _full_weight_checks(engine: Engine, tiny_model: Path, tmp: Path, redis_url: 
     # v3: intact weights, but the probe of other weights -> restarted on them, probed, restarted back.
     publish(store, r, job.id, 3, files_b, probe_a)
     worker.refresh_jobs()
-    assert view.version == 1 and sorted(view.failed) == [2, 3] and engine.model == v1_model
-    assert "ProbeMismatch" in view.failed[3] and "VerificationError" in view.failed[2]
+    assert view.version == 1 and sorted(view.refused) == [2, 3] and engine.model == v1_model
+    assert "ProbeMismatch" in view.refused[3].reason and "VerificationError" in view.refused[2].reason
     assert check_probe(probe_a, engine.prompt_logprobs(probe_a["token_ids"], None), 1e-3) < 1e-3  # v1 serves
     reason = http.get("/readyz").json()["checks"][f"policy:{job.id}"]["reason"]
     assert "refused" in reason and "still serving v1" in reason
@@ -262,6 +339,16 @@ class TestInProcess:
 
     def test_adopt_verify_and_refuse(self, inprocess_engine, tiny_model, tmp_path, redis_server, r, versions) -> None:  # noqa: ANN001
         _adoption_checks(inprocess_engine, tiny_model, tmp_path, redis_server.url, r, versions)
+
+    def test_republished_versions_are_tried_again(
+        self, inprocess_engine, tiny_model, tmp_path, redis_server, r, versions
+    ) -> None:  # noqa: ANN001, E501
+        _repair_checks(inprocess_engine, tiny_model, tmp_path, redis_server.url, r, versions)
+
+    def test_evaluation_keeps_its_version_loaded(
+        self, inprocess_engine, tiny_model, tmp_path, redis_server, r, versions
+    ) -> None:  # noqa: ANN001, E501
+        _eval_lease_checks(inprocess_engine, tiny_model, tmp_path, redis_server.url, r, versions)
 
 
 class TestInProcessFullWeights:
@@ -290,18 +377,7 @@ class TestRemote:
 
     def test_full_weights_refused(self, remote_engine, tiny_model, tmp_path, redis_server, r, full_versions) -> None:  # noqa: ANN001
         """A remote server's base weights cannot be swapped from the client: refused, still serving."""
-        settings = RolloutSettings(
-            model=str(tiny_model),
-            redis_url=redis_server.url,
-            store_url=f"file://{tmp_path / 'store'}",
-            dev=True,
-            data_dir=tmp_path,
-        )
-        rt = ServiceRuntime("rollout", settings)
-        rt.health.set("engine", True)
-        store = FileStore(tmp_path / "store")
-        worker = RolloutWorker(rt, settings, remote_engine, store)
-        http = TestClient(rt.app)
+        worker, store, http = _worker(remote_engine, tiny_model, tmp_path, redis_server.url)
         job = add_job(r, str(tiny_model), group_size=2, eval_size=0)
         publish(store, r, job.id, 1, *full_versions["a"])
         worker.refresh_jobs()

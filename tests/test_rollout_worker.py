@@ -4,6 +4,7 @@ full-weight versions (a pool of their own; refused by engines that cannot load t
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import subprocess
@@ -15,16 +16,18 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from bench.rollout_common import add_job, corrupt, publish
+from bench.rollout_common import add_job, corrupt, publish, republish
 from services.cli.launch import free_port, terminate
-from services.rollout.engine import Adapter, AdapterError, EngineError, Generation, Sample, SamplingConfig
+from services.rollout.engine import Adapter, Generation, Sample, SamplingConfig
+from services.rollout.errors import AdapterError, EngineRequestRefused, EngineUnavailable, MissingLogprob
+from services.rollout.evaluation import pass_at_k
 from services.rollout.settings import RolloutSettings
-from services.rollout.worker import RolloutWorker, pass_at_k
+from services.rollout.worker import RolloutWorker
 from shared import keys
 from shared.bus import FIELD
 from shared.job import load_job
-from shared.metrics import read_ledger
-from shared.schema import GroupMsg, PromptMsg, decode, encode
+from shared.metrics import read_ledger, read_points
+from shared.schema import GroupMsg, PromptMsg, decode, decode_dead, encode
 from shared.service import ServiceRuntime
 from shared.store import FileStore
 
@@ -50,6 +53,8 @@ class FakeEngine:
         self.full_weights = full_weights
         self.base_lp = BASE_LP  # what the base weights answer the probe with
         self.full_loads: list[str | None] = []  # load_full calls, in order
+        self.probe_error: Exception | None = None  # raised by prompt_logprobs
+        self.no_logprob_for = ""  # a prompt answered without log-probs (as a broken server would)
 
     def load_adapter(self, name: str, path: str) -> Adapter:
         assert name not in self.names_seen, f"adapter name {name} reused"
@@ -86,14 +91,16 @@ class FakeEngine:
 
     def generate(self, prompts: list[str], adapters: list[Adapter | None], cfg: SamplingConfig) -> list[Generation]:
         if self.down:
-            raise EngineError("fake engine unreachable")
+            raise EngineUnavailable("fake engine unreachable")
         self.calls.append([a.name if a else None for a in adapters])
         for a in adapters:
             if a is not None and a.name not in self.loaded:  # as a restarted remote server answers
-                raise EngineError(f"remote engine lost an adapter: {a.name}")
+                raise EngineUnavailable(f"remote engine lost an adapter: {a.name}")
         # Odd-length prompts answer '3' (right for 1+2=), even ones are cut at max_tokens.
         out = []
-        for p in prompts:
+        for i, p in enumerate(prompts):
+            if p == self.no_logprob_for:
+                raise MissingLogprob("sample: the engine returned log-prob None for token 0", i)
             text = "3" if len(p) % 2 == 0 else "9" * cfg.max_tokens
             reason = "stop" if len(p) % 2 == 0 else "length"
             out.append(
@@ -102,11 +109,13 @@ class FakeEngine:
         return out
 
     def prompt_logprobs(self, token_ids: list[int], adapter: Adapter | None) -> list[float]:
+        if self.probe_error is not None:
+            raise self.probe_error
         return self.loaded[adapter.name] if adapter else self.base_lp
 
     def check(self) -> None:
         if self.down:
-            raise EngineError("fake engine unreachable")
+            raise EngineUnavailable("fake engine unreachable")
 
     def close(self) -> None:
         pass
@@ -127,9 +136,21 @@ def fake_full(lp: list[float], probe_lp: list[float] | None = None) -> tuple[dic
     return files, {"token_ids": PROBE_IDS, "logprobs": probe_lp if probe_lp is not None else lp}
 
 
+class CountingStore(FileStore):
+    """The real file store, counting the reads of each key."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.gets: collections.Counter[str] = collections.Counter()
+
+    def get(self, key: str) -> bytes:
+        self.gets[key] += 1
+        return super().get(key)
+
+
 @pytest.fixture
 def env(tmp_path: Path, redis_server, r):  # noqa: ANN001, ANN201
-    store = FileStore(tmp_path / "store")
+    store = CountingStore(tmp_path / "store")
 
     def make(
         replica: str = "r1", engine: FakeEngine | None = None, model: str = "tiny"
@@ -143,6 +164,8 @@ def env(tmp_path: Path, redis_server, r):  # noqa: ANN001, ANN201
             replica=replica,
             prompts_per_batch=3,
             eval_samples=4,
+            score_workers=0,  # threads: no scoring process to start for every test
+            refusal_recheck_s=0.0,
         )
         rt = ServiceRuntime("rollout", s)
         rt.health.set("engine", True)
@@ -159,6 +182,19 @@ def feed(r, job_id: str, n: int, prompt: str = "1+2=") -> None:  # noqa: ANN001
     r.hincrby(keys.ledger(job_id), "fed", n)
 
 
+def evaluate(w: RolloutWorker, job_id: str, version: int | None = None, timeout: float = 60.0) -> dict:
+    """Run evaluation rounds until the result for `version` (default: the current one) is recorded."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        w.evaluator.step(w.jobs)
+        v = w.jobs[job_id].version if version is None else version
+        got = w.rt.redis.hget(keys.evals(job_id), str(v))
+        if got is not None:
+            return json.loads(got)
+        time.sleep(0.02)
+    raise AssertionError(f"no evaluation of job {job_id} within {timeout}s")
+
+
 def test_pass_at_k() -> None:
     assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 4, 4) == 1.0
     assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
@@ -172,7 +208,7 @@ def test_drain_before_unload_and_adapter_cap(env) -> None:  # noqa: ANN001
     publish(store, r, job.id, 1, *good(1))
     w.refresh_jobs()
     view = w.jobs[job.id]
-    v1 = w._lease(view)  # a request in flight on v1
+    v1 = w.leases.take(view)  # a request in flight on v1
     publish(store, r, job.id, 2, *good(2))
     w.refresh_jobs()
     assert view.version == 2 and [x.version for x in view.retiring] == [1]
@@ -181,7 +217,7 @@ def test_drain_before_unload_and_adapter_cap(env) -> None:  # noqa: ANN001
     publish(store, r, job.id, 3, *good(3))
     w.refresh_jobs()
     assert view.version == 2
-    w._release(view, v1)  # v1 drained -> unloaded at once
+    w.leases.release(view, v1)  # v1 drained -> unloaded at once
     assert set(eng.loaded) == {f"{job.id}-policy-v2"} and v1.folder and not v1.folder.exists()
     w.refresh_jobs()
     assert view.version == 3 and set(eng.loaded) == {f"{job.id}-policy-v3"}
@@ -203,8 +239,8 @@ def test_refusals_keep_old_version_and_show_everywhere(env) -> None:  # noqa: AN
         w.refresh_jobs()
     view = w.jobs[job.id]
     assert view.version == 1 and view.loaded_adapters() == 1
-    assert sorted(view.failed) == [2, 3, 4, 5]
-    assert "v3" in view.failed[3] or "probe" in view.failed[3]
+    assert sorted(view.refused) == [2, 3, 4, 5]
+    assert view.refused[3].kind == "probe" and "ProbeMismatch" in view.refused[3].reason
     ready = http.get("/readyz")  # a job's problem, not the service's: degraded but ready
     assert ready.status_code == 200 and ready.json()["degraded"]
     assert "still serving v1" in ready.json()["checks"][f"policy:{job.id}"]["reason"]
@@ -259,15 +295,13 @@ def test_eval_pass_at_k_and_truncation_metrics(env) -> None:  # noqa: ANN001
     w, _, http = make()
     job = add_job(r, "tiny", eval_size=4, group_size=2)
     w.refresh_jobs()
-    w.evaluate_pending()
+    evaluate(w, job.id)
     (raw,) = r.hvals(keys.evals(job.id))
     ev = json.loads(raw)
     assert ev["version"] == 0 and {"pass@1", "pass@4", "mean_reward", "greedy_accuracy"} <= set(ev)
     assert 0.0 <= ev["pass@1"] <= ev["pass@4"] <= 1.0
     feed(r, job.id, 2, prompt="1+2=x")  # odd length: truncated at max_tokens by the fake
     w.tick()
-    from shared.metrics import read_points
-
     (point,) = read_points(r, job.id, "rollout")
     assert point["truncated_frac"] == 1.0 and point["groups"] == 2
     text = http.get("/metrics").text
@@ -391,7 +425,7 @@ def test_full_weight_job_needs_a_pool_of_its_own(env, base_dir: str) -> None:  #
     assert "full weights" in reason and lora.id in reason and "pool of their own" in reason
     assert "pool of their own" in load_job(r, full.id).error
     assert _refused_metric(http, full.id) == "1.0"
-    assert 1 not in w.jobs[full.id].failed  # waiting, not refused for good
+    assert 1 not in w.jobs[full.id].refused  # waiting, not refused
     # ...and the LoRA job keeps being served on its adapter.
     feed(r, lora.id, 1)
     w.tick()
@@ -445,10 +479,10 @@ def test_full_weight_refusals_keep_the_previous_weights(env, base_dir: str) -> N
     for _ in range(2):
         w.refresh_jobs()
     view = w.jobs[job.id]
-    assert view.version == 1 and sorted(view.failed) == [2, 3]
+    assert view.version == 1 and sorted(view.refused) == [2, 3]
     # Newest first: v3 was switched to and back (two loads), v2 never reached the engine.
     assert len(eng.full_loads) == 3 and eng.full_loads[-1] == v1_model and eng.base_lp == [-2.0] * 3
-    assert "ProbeMismatch" in view.failed[3] and "VerificationError" in view.failed[2]
+    assert "ProbeMismatch" in view.refused[3].reason and "VerificationError" in view.refused[2].reason
     reason = http.get("/readyz").json()["checks"][f"policy:{job.id}"]["reason"]
     assert "v2 refused (hash)" in reason and "still serving v1" in reason
     text = http.get("/metrics").text
@@ -463,7 +497,7 @@ def test_engine_without_full_weights_refuses_them(env, base_dir: str) -> None:  
     publish(store, r, job.id, 1, *fake_full([-2.0, -2.0, -2.0]))
     w.refresh_jobs()
     view = w.jobs[job.id]
-    assert view.version == 0 and 1 in view.failed and eng.full_loads == []
+    assert view.version == 0 and 1 in view.refused and eng.full_loads == []
     reason = http.get("/readyz").json()["checks"][f"policy:{job.id}"]["reason"]
     assert "v1 refused (unsupported)" in reason and "in-process rollout pool" in reason
     assert "refused (unsupported)" in load_job(r, job.id).error
@@ -472,3 +506,170 @@ def test_engine_without_full_weights_refuses_them(env, base_dir: str) -> None:  
     w.tick()  # and the service keeps serving the job's last good version (the base)
     (_, f), *_ = r.xrange(keys.rollouts(job.id))
     assert decode(f[FIELD], GroupMsg).policy_version == 0
+
+
+def _refusals(r, job_id: str) -> list[tuple[int, str]]:  # noqa: ANN001
+    return [(p["version"], p["kind"]) for p in read_points(r, job_id, "rollout_version") if p["event"] == "refused"]
+
+
+def test_a_republished_version_is_tried_again_an_unchanged_one_is_not(env) -> None:  # noqa: ANN001
+    make, store, r = env
+    w, eng, http = make()
+    job = add_job(r, "tiny", eval_size=0)
+    publish(store, r, job.id, 1, *good(1))
+    w.refresh_jobs()
+    publish(store, r, job.id, 2, *good(2))
+    corrupt(store, job.id, 2)
+    w.refresh_jobs()
+    view = w.jobs[job.id]
+    assert view.version == 1 and view.refused[2].kind == "hash"
+    weights = f"jobs/{job.id}/policy/v2/adapter_model.safetensors"
+    manifest = f"jobs/{job.id}/policy/v2/manifest.json"
+    reads = store.gets[weights]
+    for _ in range(3):  # the same manifest: looked at again, never downloaded again
+        w.refresh_jobs()
+    assert store.gets[weights] == reads and _refusals(r, job.id) == [(2, "hash")]
+    w.s.refusal_recheck_s = 3600.0  # and looked at only every refusal_recheck_s
+    looked = store.gets[manifest]
+    w.refresh_jobs()
+    assert store.gets[manifest] == looked
+    w.s.refusal_recheck_s = 0.0
+    # The trainer repairs it (a new manifest): tried again, and adopted.
+    republish(store, r, job.id, 2, *good(2))
+    w.refresh_jobs()
+    assert view.version == 2 and not view.refused and set(eng.loaded) == {f"{job.id}-policy-v2-a2"}
+    assert http.get("/readyz").json()["checks"][f"policy:{job.id}"]["ok"] and load_job(r, job.id).error == ""
+
+
+def test_a_deposed_trainers_version_is_refused_as_such_until_its_successor_publishes_it(env) -> None:  # noqa: ANN001
+    from shared.fence import record_takeover
+
+    make, store, r = env
+    w, _, http = make()
+    job = add_job(r, "tiny", eval_size=0)
+    publish(store, r, job.id, 1, *good(1), epoch=1)
+    w.refresh_jobs()
+    # Trainer B took the job over (epoch 2) finding v1; the stalled trainer A (epoch 1) then wrote v2.
+    record_takeover(store, job.id, 2, "trainer-b", version=1, checkpoint=-1)
+    publish(store, r, job.id, 2, *good(2), epoch=1)
+    w.refresh_jobs()
+    view = w.jobs[job.id]
+    assert view.version == 1 and view.refused[2].kind == "deposed" and "DeposedWrite" in view.refused[2].reason
+    assert "v2 refused (deposed)" in http.get("/readyz").json()["checks"][f"policy:{job.id}"]["reason"]
+    assert f'burstrl_rollout_verify_failures_total{{job="{job.id}",kind="deposed"}} 1.0' in http.get("/metrics").text
+    republish(store, r, job.id, 2, *good(2), epoch=2)  # B publishes v2 itself
+    w.refresh_jobs()
+    assert view.version == 2 and _refusals(r, job.id) == [(2, "deposed")]
+
+
+def test_a_bug_is_a_bug_and_a_refused_probe_request_refuses_the_version(env) -> None:  # noqa: ANN001
+    make, store, r = env
+    w, eng, http = make()
+    job = add_job(r, "tiny", eval_size=0)
+    publish(store, r, job.id, 1, *good(1))
+    eng.probe_error = KeyError("a bug in the probe code")
+    with pytest.raises(KeyError):
+        w.refresh_jobs()
+    view = w.jobs[job.id]
+    assert view.version == 0 and not view.refused and eng.loaded == {}  # nothing half-loaded, nothing refused
+    w.rt.survive(w.tick, backoff_s=0)  # the service loop logs it with its traceback and counts it
+    assert 'burstrl_errors_total{kind="worker"} 1.0' in http.get("/metrics").text
+    assert _refusals(r, job.id) == []
+    # A probe the engine refuses (a remote server's 4xx) refuses the version, labelled as the engine's.
+    eng.probe_error = EngineRequestRefused("remote engine /v1/completions: HTTP 400: token id out of range", 0)
+    w.refresh_jobs()
+    assert view.version == 0 and view.refused[1].kind == "engine" and _refusals(r, job.id) == [(1, "engine")]
+    # A malformed manifest is the manifest's.
+    key = f"jobs/{job.id}/policy/v1/manifest.json"
+    store.put(key, store.get(key).replace(b'"step"', b'"stpe"'))
+    eng.probe_error = None
+    w.refresh_jobs()
+    assert view.refused[1].kind == "manifest" and "missing step" in view.refused[1].reason
+
+
+def test_a_prompt_without_logprobs_makes_no_group_and_is_dead_lettered_with_the_reason(env) -> None:  # noqa: ANN001
+    make, store, r = env
+    w, eng, _ = make()
+    w.bus.max_deliveries = 3
+    w.bus.claim_idle_ms = 0  # redo pending entries at every read (the bus's reclaim pass)
+    job = add_job(r, "tiny", eval_size=0, group_size=2)
+    for i, prompt in enumerate(["1+2=", "2+2=", "3+2="]):
+        msg = PromptMsg(job_id=job.id, group_id=f"{job.id}:g{i}", item_id=str(i), prompt=prompt)
+        r.xadd(keys.prompts(job.id), {FIELD: encode(msg)})
+    r.hincrby(keys.ledger(job.id), "fed", 3)
+    eng.no_logprob_for = "2+2="
+    for _ in range(6):
+        w.tick()
+    groups = [decode(f[FIELD], GroupMsg) for _, f in r.xrange(keys.rollouts(job.id))]
+    assert sorted(g.group_id for g in groups) == [f"{job.id}:g0", f"{job.id}:g2"]  # its neighbours are produced
+    (_, dead), *_ = r.xrange(keys.dead_letter(job.id))
+    reason = decode_dead(dead[FIELD]).reason
+    assert "MissingLogprob" in reason and "log-prob None" in reason and "delivered 3 times" in reason
+    ledger = read_ledger(r, job.id)
+    assert ledger["produced"] == 2 and ledger["dead"] == 1
+    assert r.xpending(keys.prompts(job.id), keys.GROUP_ROLLOUT)["pending"] == 0
+
+
+def test_evaluation_runs_in_rounds_and_never_holds_up_adoption(env) -> None:  # noqa: ANN001
+    make, store, r = env
+    w, eng, _ = make()
+    w.s.eval_chunk = 4
+    job = add_job(r, "tiny", eval_size=24, max_staleness=0, group_size=2)  # cap 1: only the evaluation's extra slot
+    publish(store, r, job.id, 1, *good(1))
+    w.refresh_jobs()
+    view = w.jobs[job.id]
+    w.evaluator.step(w.jobs)  # the evaluation of v1 starts: one round of 4 of its 24 prompts
+    ev = w.evaluator.running[job.id]
+    assert ev.version == 1 and ev.next == 4 and view.evaluating is view.current
+    publish(store, r, job.id, 2, *good(2))
+    feed(r, job.id, 1)
+    w.tick()  # adopted at once, though v1's evaluation is under way
+    assert view.version == 2 and ev.next == 8
+    # v1 stays loaded (the evaluation holds its lease), and evaluation rounds keep using it.
+    assert [x.version for x in view.retiring] == [1] and f"{job.id}-policy-v1" in eng.loaded
+    v1, v2 = f"{job.id}-policy-v1", f"{job.id}-policy-v2"
+    assert eng.calls[-3:] == [[v1] * 4, [v1] * 4, [v2]]  # the round (sampled, greedy) on v1, generation on v2
+    (_, f), *_ = r.xrange(keys.rollouts(job.id))
+    assert decode(f[FIELD], GroupMsg).policy_version == 2  # generation runs on the new version
+    result = evaluate(w, job.id, version=1)
+    assert result["n_prompts"] == 24 and result["version"] == 1
+    assert f"{job.id}-policy-v1" not in eng.loaded and not view.retiring  # given back: unloaded
+    result2 = evaluate(w, job.id)  # and then the current version is evaluated
+    assert result2["version"] == 2
+
+
+def test_a_hanging_verifier_costs_its_deadline_not_the_loop(env, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    from shared.domain.tasks import task_for_job
+
+    (tmp_path / "hang_on_prompt.py").write_text(
+        "import time\nfrom shared.domain.verifiers import register_verifier\n"
+        "@register_verifier('hang_on_prompt')\n"
+        "def hang(completions, prompt='', hang='', **_):\n"
+        "    if prompt == hang and len(completions) > 1:  # its sampled answers, not its greedy one\n"
+        "        time.sleep(600)\n"
+        "    return [1.0] * len(completions)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    make, store, r = env
+    w, eng, _ = make()
+    w.evaluator.scorer.close()
+    from shared.domain.scoring import Scorer
+
+    w.evaluator.scorer = Scorer(1, ["hang_on_prompt"])  # a real scoring process, killed at its deadline
+    spec = {"name": "h", "base_model": "tiny", "eval_size": 4}
+    from shared.job import JobSpec
+
+    stuck = task_for_job(JobSpec(**spec)).heldout_items(4)[1].prompt
+    # A deadline no honest group misses, even with a scoring process to start on a loaded machine.
+    ts = {"verifiers": [{"name": "hang_on_prompt", "args": {"hang": stuck}}], "timeout_s": 15.0}
+    job = add_job(r, "tiny", name="h", eval_size=4, group_size=2, task_spec=ts)
+    w.refresh_jobs()
+    w.evaluator.step(w.jobs)  # one round: all 4 prompts generated, handed to the scorer
+    assert not w.evaluator.generating
+    publish(store, r, job.id, 1, *good(1))
+    w.tick()  # the loop goes on while the verifier hangs: v1 is adopted meanwhile
+    (rnd,) = w.evaluator.running[job.id].rounds
+    assert w.jobs[job.id].version == 1 and not rnd.scores.done()
+    result = evaluate(w, job.id, version=0, timeout=120)
+    assert result["score_tags"] == {"verifier!timeout": 4}  # that prompt's 4 sampled answers
+    assert result["pass@1"] == pytest.approx(0.75) and result["greedy_accuracy"] == 1.0

@@ -87,3 +87,19 @@ def test_turn_fields_round_trip_and_are_backward_compatible():
         finish_reason: str
 
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(g.completions[0]), type=OldCompletion).text == "12"
+
+
+def test_a_job_record_keeps_the_errors_a_newer_one_replaced(r):
+    """Issue 18: the job's error kept only the latest refusal."""
+    import time
+
+    from shared.job import ERROR_HISTORY, JobRecord, JobSpec, insert_job, load_job, update_job
+
+    now = time.time()
+    insert_job(r, JobRecord(id="j-1", spec=JobSpec(base_model="m"), created_at=now, updated_at=now))
+    for i in range(ERROR_HISTORY + 3):
+        update_job(r, "j-1", lambda rec, i=i: setattr(rec, "error", f"rollout: policy v{i} refused"))
+    update_job(r, "j-1", lambda rec: setattr(rec, "error", ""))  # cleared: the last one joins the history
+    rec = load_job(r, "j-1")
+    assert rec.error == "" and len(rec.error_history) == ERROR_HISTORY
+    assert rec.error_history[-1] == f"rollout: policy v{ERROR_HISTORY + 2} refused"

@@ -59,7 +59,7 @@ export BURSTRL_HOST="${BURSTRL_HOST:-0.0.0.0}"
 # credentials, and Redis configured not to lose data.
 python - <<'PY'
 import os, sys
-from shared.redis_conn import RedisPolicyError, check_server, connect
+from shared.redis_conn import RedisPolicyError, check_server, connect, refusal
 from shared.store import open_store
 r = connect(os.environ["REDIS_URL"])
 try:
@@ -68,8 +68,8 @@ try:
         print(f"burst: warning: {w}", file=sys.stderr)
 except RedisPolicyError as e:
     sys.exit(f"burst: {e}")
-except Exception as e:
-    sys.exit(f"burst: cannot reach Redis over TLS: {type(e).__name__}: {e}")
+except Exception as e:  # a wrong password or an untrusted certificate: say which, and the fix
+    sys.exit(f"burst: {refusal(e) or f'cannot reach Redis over TLS: {type(e).__name__}: {e}'}")
 try:
     open_store(os.environ["STORE_URL"]).list("jobs/__burst_probe__")
 except Exception as e:

@@ -18,7 +18,7 @@ import redis
 from services.api.overview import list_services
 from shared import keys
 from shared.domain.envs import EnvError, env_names, make_env
-from shared.domain.tasks import task_for_job, task_names
+from shared.domain.tasks import make_task, task_for_job
 from shared.domain.tasks.files import SourceError
 from shared.domain.verifiers import VerifierError, check_verifier_args, verifier_names
 from shared.job import JobSpec, same_model
@@ -88,8 +88,14 @@ def _check_env(spec: JobSpec) -> None:
 
 def _check_task(spec: JobSpec) -> None:
     """The task exists, its source reads, and the template renders its first item."""
-    if spec.task_spec.source is None and spec.task not in task_names():
-        raise SpecProblem(("task",), f"unknown task {spec.task!r}; known: {task_names()}")
+    if spec.task_spec.source is None:
+        try:  # a registered task, or one of a family ("rg:<dataset>") with its task_spec.args
+            make_task(spec.task, dict(spec.task_spec.args))
+        except KeyError as e:
+            raise SpecProblem(("task",), str(e.args[0] if e.args else e)) from None
+        except (ValueError, TypeError) as e:
+            arg = getattr(e, "arg", "")  # the option at fault, when the task names it
+            raise SpecProblem(("task_spec", "args", *([arg] if arg else [])), str(e)) from None
     try:
         task = task_for_job(spec)
         first = list(itertools.islice(task.train_items(spec.seed), 1))

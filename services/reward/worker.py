@@ -10,6 +10,7 @@ from typing import Any
 from services.reward.scorer import GroupWork, Scorer
 from shared import keys
 from shared.bus import Bus, Entry
+from shared.domain.scoring import group_work
 from shared.domain.tasks.base import total
 from shared.domain.verifiers import split_parts
 from shared.job import JobRecord, UnreadableJob, load_job
@@ -20,18 +21,12 @@ log = logging.getLogger(__name__)
 
 
 def work_for(group: GroupMsg, rec: JobRecord) -> GroupWork:
-    spec = rec.spec
-    ts = getattr(spec, "task_spec", None)
-    return GroupWork(
-        task=spec.task,
-        verifier=spec.verifier,
-        spec_json=ts.model_dump_json() if ts is not None else "{}",
-        completions=[c.text for c in group.completions],
-        fields=dict(group.fields),
+    return group_work(
+        rec.spec,
+        [c.text for c in group.completions],
+        dict(group.fields),
         prompt=group.prompt,
         completion_tokens=[len(c.token_ids) // 4 for c in group.completions],  # int32 packed
-        max_tokens=spec.sampling.max_tokens,
-        timeout_s=ts.timeout_s if ts is not None else 60.0,
     )
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from services.rollout.engine import Engine, EngineError
+from services.rollout.engine import Engine
+from services.rollout.errors import EngineUnavailable
 from services.rollout.settings import RolloutSettings
 from shared.service import ServiceRuntime, setup_logging
 from shared.store import open_store
@@ -13,12 +14,12 @@ log = logging.getLogger("services.rollout")
 
 
 def build_engine(s: RolloutSettings) -> Engine:
-    """The configured engine; raises EngineError when it cannot be built or reached."""
+    """The configured engine; raises EngineUnavailable when it cannot be built or reached."""
     if s.engine == "remote":
         from services.rollout.engine import RemoteEngine
 
         if not s.engine_url:
-            raise EngineError("BURSTRL_ROLLOUT_ENGINE=remote needs BURSTRL_ROLLOUT_ENGINE_URL")
+            raise EngineUnavailable("BURSTRL_ROLLOUT_ENGINE=remote needs BURSTRL_ROLLOUT_ENGINE_URL")
         local, sep, remote = s.engine_path_map.partition("=")
         return RemoteEngine(
             url=s.engine_url,
@@ -67,7 +68,7 @@ def main() -> None:
         rt.health.set("engine", False, f"starting {settings.engine} engine ({what})")
         try:
             engine = build_engine(settings)
-        except EngineError as e:
+        except EngineUnavailable as e:
             rt.health.set("engine", False, str(e))
             rt.stop.wait(settings.engine_retry_s)
     if engine is None:

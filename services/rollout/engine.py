@@ -18,28 +18,26 @@ GPU platforms vLLM reloads in place (pause, reload_weights, reset the prefix cac
 resume); on vLLM's CPU backend an in-place reload leaves the linear layers' packed weights
 untouched, so the engine restarts on the version's model folder there. A remote server's
 base weights are fixed when it starts: `RemoteEngine.load_full` refuses.
+
+Errors: services/rollout/errors.py. One file for both modes, though over ~400 lines: each
+method of the interface is easiest to check against its twin in the other mode.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
+from services.rollout.errors import AdapterError, EngineRequestRefused, EngineUnavailable, MissingLogprob, RequestFailed
 from shared.engines.openai_client import OpenAIClient
 from shared.engines.vllm_setup import prepare_cpu_engine_env, warm_up
 
 log = logging.getLogger(__name__)
-
-
-class EngineError(RuntimeError):
-    """The engine cannot serve right now (not built, unreachable, died). Transient: retry later."""
-
-
-class AdapterError(RuntimeError):
-    """The engine refused an adapter (bad format, rank too large, wrong base). Permanent for that version."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +73,30 @@ class Generation:
     samples: list[Sample] = field(default_factory=list)
 
 
+def checked_logprobs(values: Sequence[float | None], n_tokens: int, what: str, index: int | None) -> list[float]:
+    """The engine's log-probs of n tokens, each present and finite; MissingLogprob otherwise.
+
+    Both engines refuse to make one up: a 0.0 stands for "probability 1" and would bias the
+    importance weights the trainer computes from these values (docs/architecture.md, invariant 6)."""
+    if len(values) != n_tokens:
+        raise MissingLogprob(f"{what}: the engine returned {len(values)} log-probs for {n_tokens} tokens", index)
+    out = []
+    for i, x in enumerate(values):
+        if x is None or not math.isfinite(x):
+            raise MissingLogprob(f"{what}: the engine returned log-prob {x} for token {i}", index)
+        out.append(float(x))
+    return out
+
+
+def _position_logprobs(steps: Sequence[Any] | None, token_ids: Sequence[int]) -> list[float | None]:
+    """vLLM's per-position {token id: Logprob} dicts -> the given tokens' log-probs (None where absent)."""
+    out: list[float | None] = []
+    for d, t in zip(steps or [], token_ids, strict=False):
+        lp = d.get(t) if d is not None else None
+        out.append(None if lp is None else lp.logprob)
+    return out
+
+
 class Engine(Protocol):
     mode: str
     dtype: str  # what the engine computes in ("float32", "bfloat16", ...; "unknown" when remote)
@@ -91,11 +113,14 @@ class Engine(Protocol):
     def load_full(self, path: str | None) -> None:
         """Serve the full weights of model folder `path` as the base model (None: the model the
         engine started with). No request may be in flight. Raises AdapterError when the folder
-        is refused (the previous weights keep serving) and EngineError when the engine is lost.
+        is refused (the previous weights keep serving) and EngineUnavailable when the engine is lost.
         Every loaded adapter is gone afterwards."""
         ...
 
-    def generate(self, prompts: list[str], adapters: list[Adapter | None], cfg: SamplingConfig) -> list[Generation]: ...
+    def generate(self, prompts: list[str], adapters: list[Adapter | None], cfg: SamplingConfig) -> list[Generation]:
+        """Samples for each prompt, with every sampled token's log-prob. Raises RequestFailed
+        (its `index`: the prompt) when one request is refused or answered without a log-prob."""
+        ...
 
     def generate_ids(
         self, prompts: list[list[int]], adapters: list[Adapter | None], cfg: SamplingConfig
@@ -109,11 +134,11 @@ class Engine(Protocol):
         ...
 
     def prompt_logprobs(self, token_ids: list[int], adapter: Adapter | None) -> list[float]:
-        """log p(t_i | t_<i) for i >= 1 at temperature 1 (the probe)."""
+        """log p(t_i | t_<i) for i >= 1 at temperature 1 (the probe); RequestFailed as `generate`."""
         ...
 
     def check(self) -> None:
-        """Raise EngineError when the engine cannot serve."""
+        """Raise EngineUnavailable when the engine cannot serve."""
         ...
 
     def close(self) -> None: ...
@@ -170,7 +195,7 @@ class InProcessEngine:
         try:
             llm = LLM(model=model, **self._llm_kwargs)
         except Exception as e:  # unknown path, bad config: the caller reports it in /readyz
-            raise EngineError(f"cannot start vLLM for {model!r}: {type(e).__name__}: {e}") from e
+            raise EngineUnavailable(f"cannot start vLLM for {model!r}: {type(e).__name__}: {e}") from e
         warm_up(llm)
         return llm
 
@@ -196,7 +221,9 @@ class InProcessEngine:
                     "reload_weights", kwargs={"weights_path": self.model, "is_checkpoint_format": True}
                 )
             except Exception as e2:
-                raise EngineError(f"reloading {target} failed ({e}), and restoring {self.model} too: {e2}") from e2
+                raise EngineUnavailable(
+                    f"reloading {target} failed ({e}), and restoring {self.model} too: {e2}"
+                ) from e2
             finally:
                 self.llm.reset_prefix_cache()
                 self.llm.wake_up(tags=["scheduling"])
@@ -212,10 +239,10 @@ class InProcessEngine:
         try:
             self.llm = self._start(target)
             return
-        except EngineError as e:
+        except EngineUnavailable as e:
             first = e
         log.error("engine restart on %s failed (%s); restarting on %s", target, first, self.model)
-        self.llm = self._start(self.model)  # EngineError: nothing serves any more
+        self.llm = self._start(self.model)  # EngineUnavailable: nothing serves any more
         raise AdapterError(f"engine refused weights {target}: {first}") from first
 
     def load_adapter(self, name: str, path: str) -> Adapter:
@@ -270,37 +297,53 @@ class InProcessEngine:
             logprobs=0,
         )
         loras = [self._lora(a) for a in adapters]
-        outs = self.llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+        outs = self._call(lambda: self.llm.generate(prompts, params, lora_request=loras, use_tqdm=False))
         result = []
-        for o in outs:
+        for i, o in enumerate(outs):
             samples = []
             for c in o.outputs:
-                # strict: a missing log-prob must fail loudly, never train on a made-up value
-                lps = [d[t].logprob for d, t in zip(c.logprobs or [], c.token_ids, strict=True)]
+                lps = checked_logprobs(_position_logprobs(c.logprobs, c.token_ids), len(c.token_ids), "sample", i)
                 samples.append(Sample(list(c.token_ids), lps, c.text, c.finish_reason or "stop"))
             result.append(Generation(list(o.prompt_token_ids or []), samples))
         return result
+
+    @staticmethod
+    def _call(fn: Callable[[], list]) -> list:
+        """Run an `LLM.generate`; a request vLLM's input checks reject (a prompt longer than the
+        context, a token id outside the vocabulary) is the request's fault, not the engine's.
+        vLLM adds a call's requests one by one and aborts the added ones when one is refused,
+        but does not say which: `index` None."""
+        from vllm.exceptions import VLLMClientError
+
+        try:
+            return fn()
+        except VLLMClientError as e:
+            raise EngineRequestRefused(f"vLLM refused a request: {type(e).__name__}: {e}") from e
 
     def prompt_logprobs(self, token_ids: list[int], adapter: Adapter | None) -> list[float]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-        (out,) = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=token_ids)], params, lora_request=[self._lora(adapter)], use_tqdm=False
+        (out,) = self._call(
+            lambda: self.llm.generate(
+                [TokensPrompt(prompt_token_ids=token_ids)], params, lora_request=[self._lora(adapter)], use_tqdm=False
+            )
         )
-        plp = out.prompt_logprobs or []
         # Position 0 has no log-prob; each later position's dict holds the prompt token.
-        return [plp[i][t].logprob for i, t in enumerate(token_ids) if i > 0]
+        plp = list(out.prompt_logprobs or [])[1:]
+        return checked_logprobs(_position_logprobs(plp, token_ids[1:]), len(token_ids) - 1, "prompt", 0)
 
     def check(self) -> None:
         if self.llm is None:  # a restart failed both ways
-            raise EngineError(f"vLLM engine could not be restarted on {self.model!r}; restart the rollout service")
+            raise EngineUnavailable(
+                f"vLLM engine could not be restarted on {self.model!r}; restart the rollout service"
+            )
         # The multiprocess client flags a dead engine-core process; there is no way back
         # from that in-process but a restart of the service.
         resources = getattr(self.llm.llm_engine.engine_core, "resources", None)
         if getattr(resources, "engine_dead", False):
-            raise EngineError("vLLM engine core died; restart the rollout service")
+            raise EngineUnavailable("vLLM engine core died; restart the rollout service")
 
     def close(self) -> None:
         if self.llm is None:
@@ -334,7 +377,7 @@ class RemoteEngine(OpenAIClient):
             timeout_s=timeout_s,
             concurrency=concurrency,
             thread_name="remote-engine",
-            away=EngineError,
+            away=EngineUnavailable,
         )
         self.path_map = path_map
         self._ids = itertools.count(1)
@@ -345,19 +388,28 @@ class RemoteEngine(OpenAIClient):
     def _json(self, path: str, body: dict) -> dict:
         resp = self._post(path, body)
         if resp.status_code >= 500:
-            raise EngineError(f"remote engine {path}: HTTP {resp.status_code}: {resp.text[:300]}")
+            raise EngineUnavailable(f"remote engine {path}: HTTP {resp.status_code}: {resp.text[:300]}")
         if resp.status_code == 404 and path == "/v1/completions":
             # The server forgot our adapter: it restarted (runtime-loaded adapters do not
             # survive that). The worker reloads its adapters once the engine answers again.
-            raise EngineError(f"remote engine lost an adapter (restarted?): {resp.text[:300]}")
+            raise EngineUnavailable(f"remote engine lost an adapter (restarted?): {resp.text[:300]}")
+        if resp.status_code in (401, 403):  # every request would be refused: the service's config, not the request
+            raise EngineUnavailable(
+                f"remote engine {path}: HTTP {resp.status_code} (check BURSTRL_ROLLOUT_ENGINE_API_KEY): {resp.text[:300]}"
+            )
         if resp.status_code >= 400:
-            raise ValueError(f"remote engine {path}: HTTP {resp.status_code}: {resp.text[:300]}")
-        return resp.json()
+            raise EngineRequestRefused(f"remote engine {path}: HTTP {resp.status_code}: {resp.text[:300]}")
+        try:
+            return resp.json()
+        except ValueError as e:  # a proxy's error page, a server speaking another protocol
+            raise EngineUnavailable(
+                f"remote engine {path}: HTTP {resp.status_code}, not JSON: {resp.text[:300]}"
+            ) from e
 
     def _base_model(self) -> str:
         bases = [m["id"] for m in self.base_models()]
         if not bases:
-            raise EngineError(f"remote engine {self.url} serves no base model")
+            raise EngineUnavailable(f"remote engine {self.url} serves no base model")
         return bases[0]
 
     def _server_path(self, path: str) -> str:
@@ -374,7 +426,9 @@ class RemoteEngine(OpenAIClient):
             # The server answers 4xx/5xx for a bad adapter while staying up; a missing
             # runtime-LoRA switch answers 404 on the route itself, which is a config error.
             if resp.status_code == 404 and "lora" not in resp.text.lower():
-                raise EngineError("remote engine has no /v1/load_lora_adapter: set VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
+                raise EngineUnavailable(
+                    "remote engine has no /v1/load_lora_adapter: set VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
+                )
             raise AdapterError(f"remote engine refused adapter {name}: HTTP {resp.status_code}: {resp.text[:300]}")
         return adapter
 
@@ -383,7 +437,7 @@ class RemoteEngine(OpenAIClient):
             resp = self._post("/v1/unload_lora_adapter", {"lora_name": adapter.name})
             if resp.status_code not in (200, 404):
                 log.warning("unload %s: HTTP %d %s", adapter.name, resp.status_code, resp.text[:200])
-        except EngineError as e:  # the server is away; it forgets adapters when it restarts anyway
+        except EngineUnavailable as e:  # the server is away; it forgets adapters when it restarts anyway
             log.warning("unload %s: %s", adapter.name, e)
 
     def load_full(self, path: str | None) -> None:
@@ -421,24 +475,32 @@ class RemoteEngine(OpenAIClient):
             ids = c.get("token_ids")
             if ids is None:
                 ids = [int(t.removeprefix("token_id:")) for t in lp.get("tokens", [])]
-            lps = [float(x) if x is not None else 0.0 for x in lp.get("token_logprobs", [])]
-            if len(lps) != len(ids):
-                raise EngineError(f"remote engine returned {len(lps)} log-probs for {len(ids)} tokens")
+            lps = checked_logprobs(lp.get("token_logprobs") or [], len(ids), "sample", None)
             samples.append(Sample(ids, lps, c.get("text", ""), c.get("finish_reason") or "stop"))
         return Generation(list(prompt_ids), samples)
 
-    def generate(self, prompts: list[str], adapters: list[Adapter | None], cfg: SamplingConfig) -> list[Generation]:
+    def _each(self, prompts: Sequence[str | list[int]], adapters: list[Adapter | None], cfg: SamplingConfig) -> list:
         # One request per prompt, sent concurrently: the server batches them together,
         # and `n` makes it share the prompt's prefill across the G samples.
         futures = [self.pool.submit(self._complete, p, a, cfg) for p, a in zip(prompts, adapters, strict=True)]
-        return [f.result() for f in futures]
+        out, failed = [], None
+        for i, f in enumerate(futures):
+            try:
+                out.append(f.result())
+            except RequestFailed as e:  # wait for the rest (an unavailable engine outranks one bad request)
+                failed = failed or type(e)(str(e), i)
+        if failed is not None:
+            raise failed
+        return out
+
+    def generate(self, prompts: list[str], adapters: list[Adapter | None], cfg: SamplingConfig) -> list[Generation]:
+        return self._each(prompts, adapters, cfg)
 
     def generate_ids(
         self, prompts: list[list[int]], adapters: list[Adapter | None], cfg: SamplingConfig
     ) -> list[Generation]:
         # /v1/completions takes a list of token ids as `prompt`, used as is (no re-tokenization).
-        futures = [self.pool.submit(self._complete, list(p), a, cfg) for p, a in zip(prompts, adapters, strict=True)]
-        return [f.result() for f in futures]
+        return self._each([list(p) for p in prompts], adapters, cfg)
 
     def tokenize(self, text: str, *, special: bool = True) -> list[int]:
         body = {"model": self.served_model, "prompt": text, "add_special_tokens": special}
@@ -458,6 +520,7 @@ class RemoteEngine(OpenAIClient):
             body = {**body, "echo": True, "logprobs": 0, "return_tokens_as_token_ids": True}
             body.pop("prompt_logprobs")
             lp = self._json("/v1/completions", body)["choices"][0]["logprobs"]["token_logprobs"]
-            return [float(x) for x in lp[1 : len(token_ids)]]
+            return checked_logprobs(lp[1 : len(token_ids)], len(token_ids) - 1, "prompt", 0)
         # JSON object keys are strings: {"<token id>": {"logprob": ..., "rank": ...}}
-        return [float(plp[i][str(t)]["logprob"]) for i, t in enumerate(token_ids) if i > 0]
+        got = [((plp[i] or {}).get(str(t)) or {}).get("logprob") for i, t in enumerate(token_ids) if 0 < i < len(plp)]
+        return checked_logprobs(got, len(token_ids) - 1, "prompt", 0)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.rollout.engine import Adapter, Engine, SamplingConfig
+from services.rollout.errors import RequestFailed
 from shared.domain.envs import Env, EnvSpec, StepResult, make_env
 from shared.domain.verifiers import TAG_SEP, split_parts
 from shared.schema import Completion, pack_f32, pack_i32, pack_u8
@@ -168,11 +169,13 @@ def _error(e: object) -> str | None:
 def run_episodes(engine: Engine, episodes: list[Episode]) -> None:
     """Run every episode to its end, turn by turn, batching each turn into engine calls.
 
-    EngineError propagates (the caller leaves its entries pending); environment failures
-    end only their own episode.
+    EngineUnavailable propagates (the caller leaves its entries pending), and so does
+    RequestFailed, its `index` the failed episode's position in `episodes`; environment
+    failures end only their own episode.
     """
     if not episodes:
         return
+    position = {id(e): i for i, e in enumerate(episodes)}
     # reset -> first context, tokenized once per distinct text (a group shares its prompt)
     firsts = call_all([(lambda e=e: e.env.reset(e.prompt, e.fields), e.limits.step_timeout_s) for e in episodes])
     cache: dict[str, list[int]] = {}
@@ -206,7 +209,11 @@ def run_episodes(engine: Engine, episodes: list[Episode]) -> None:
             by_cfg.setdefault(e.cfg, []).append(e)
         for cfg, group in by_cfg.items():
             turn_cfg = dataclasses.replace(cfg, max_tokens=max(1, min(cfg.max_tokens, max(e.budget() for e in group))))
-            gens = engine.generate_ids([e.prompt_ids + e.ids for e in group], [e.adapter for e in group], turn_cfg)
+            try:
+                gens = engine.generate_ids([e.prompt_ids + e.ids for e in group], [e.adapter for e in group], turn_cfg)
+            except RequestFailed as err:
+                err.index = None if err.index is None else position[id(group[err.index])]
+                raise
             for e, g in zip(group, gens, strict=True):
                 s = g.samples[0]
                 budget = e.budget()

@@ -66,6 +66,33 @@ class RolloutSettings(CommonSettings):
     tensor_parallel_size: int = Field(1, ge=1, description="Cards one engine spans. " + _REMOTE)
     prompts_per_batch: int = Field(8, ge=1, description="Prompts pulled per engine call.")
     eval_samples: int = Field(4, ge=1, description="Samples per held-out prompt (pass@1 and pass@k, k = this).")
+    eval_chunk: int = Field(
+        16,
+        ge=1,
+        le=4096,
+        description="Held-out prompts per evaluation round (each: eval_samples + 1 answers). Evaluation runs in "
+        "rounds between generation rounds, so a version published meanwhile is adopted within one round of each. "
+        "Larger rounds finish an evaluation sooner while training runs, and delay adoptions more.",
+    )
+    score_workers: int = Field(
+        1,
+        ge=0,
+        le=64,
+        description="Processes scoring held-out answers, each group under its task's deadline (0: threads of this "
+        "process, for debugging: a verifier that hangs there leaks its thread).",
+    )
+    score_plugins: str = Field(
+        "",
+        description="Comma-separated modules imported in the scoring processes that register verifiers or tasks: "
+        "list what BURSTRL_REWARD_PLUGINS lists, so held-out answers are scored as the reward service scores them.",
+    )
+    refusal_recheck_s: float = Field(
+        5.0,
+        ge=0,
+        le=3600,
+        description="How often a refused version's manifest is read again: a republished version (a new manifest) "
+        "is tried again, an unchanged one is not downloaded again.",
+    )
     probe_tolerance: float | None = Field(
         None,
         ge=0,
@@ -108,6 +135,10 @@ class RolloutSettings(CommonSettings):
     @property
     def env_plugin_modules(self) -> list[str]:
         return [m.strip() for m in self.env_plugins.split(",") if m.strip()]
+
+    @property
+    def score_plugin_modules(self) -> list[str]:
+        return [m.strip() for m in self.score_plugins.split(",") if m.strip()]
 
 
 _ENGINE_DEFAULTS = engine_args()  # what the engine gets when none of them is set

@@ -15,7 +15,7 @@ import torch
 
 from services.trainer.losses import kl_per_token
 
-AdvantageKind = Literal["grpo", "dr_grpo", "rloo", "distill"]
+AdvantageKind = Literal["grpo", "dr_grpo", "rloo", "distill", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 TURN_KINDS = ("grpo", "dr_grpo", "rloo")  # the group-baselined estimators that have a turn level
 
 
@@ -37,6 +37,27 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     if g < 2:
         return torch.zeros_like(rewards)
     return (rewards - rewards.mean(dim=1, keepdim=True)) * (g / (g - 1))
+
+
+def reinforce_pp_advantages(
+    rewards: torch.Tensor, mask: torch.Tensor, *, baseline: bool = False, eps: float = 1e-8
+) -> torch.Tensor:
+    """REINFORCE++ (arXiv 2501.03262): rewards whitened over the whole batch. [B, G], [N, T] -> [N].
+
+    As verl's reinforce_plus_plus (outcome reward, gamma = 1: every token's return is its
+    completion's reward) and reinforce_plus_plus_baseline (the group mean subtracted first):
+    mean and variance are over every trained token of the batch (verl's masked_whiten, so a
+    completion weighs by its length; the variance unbiased, eps inside the square root).
+    The KL, when in the reward, is already in `rewards` for the whole completion (the
+    papers put it per token into the return-to-go instead).
+    """
+    scores = rewards - rewards.mean(dim=1, keepdim=True) if baseline else rewards
+    flat = scores.reshape(-1)  # [N]
+    n_i = mask.sum(dim=-1).to(flat.dtype)  # trained tokens per completion
+    n = n_i.sum()
+    mean = (flat * n_i).sum() / n.clamp(min=1.0)
+    var = ((flat - mean) ** 2 * n_i).sum() / (n - 1.0).clamp(min=1.0)
+    return (flat - mean) * torch.rsqrt(var + eps)
 
 
 def distill_advantages(teacher_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -84,6 +105,8 @@ def compute_advantages(
 ) -> torch.Tensor:
     """Advantages for the loss: [N] for sequence-level estimators, [N, T] for distillation.
 
+    The GRPO family baselines within each group; REINFORCE++ normalises over the batch.
+
     distill with reward_weight > 0 adds reward_weight x the GRPO advantage of each completion
     to every one of its tokens: the teacher shapes each token, the verifier still ranks answers.
     """
@@ -93,6 +116,10 @@ def compute_advantages(
         return group_advantages(rewards, scale_by_std=False).reshape(-1)
     if kind == "rloo":
         return rloo_advantages(rewards).reshape(-1)
+    if kind in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        if mask is None:
+            raise ValueError(f"{kind} advantages need the loss mask (they are whitened over tokens)")
+        return reinforce_pp_advantages(rewards, mask, baseline=kind == "reinforce_plus_plus_baseline")
     if kind == "distill":
         if ref_logp is None or sampler_logp is None or mask is None:
             raise ValueError("distill advantages need teacher (ref) and sampler log-probs")

@@ -21,7 +21,9 @@ import torch.distributed as dist
 
 from services.trainer.advantages import compute_advantages, compute_turn_advantages, kl_penalised_rewards
 from services.trainer.batch import Batch, collate
+from services.trainer.corrections import m2po_cutoff
 from services.trainer.losses import LossConfig, lr_lambda, policy_loss
+from services.trainer.stats import MEAN_KEYS, finish
 from shared.job import JobSpec
 from shared.ml.logprobs import token_logprobs_and_entropy
 from shared.schema import GroupMsg
@@ -45,6 +47,7 @@ class StepResult:
 def loss_config(spec: JobSpec) -> LossConfig:
     a = spec.algorithm
     return LossConfig(
+        loss=a.loss,
         clip_low=spec.clip_low,
         clip_high=spec.clip_high,
         ratio_level=a.ratio_level,
@@ -58,6 +61,17 @@ def loss_config(spec: JobSpec) -> LossConfig:
         kl_coef=spec.kl_coef if a.kl_in == "loss" else 0.0,
         kl_estimator=a.kl_estimator,
         entropy_coef=a.entropy_coef,
+        cispo_min=a.cispo_min,
+        cispo_max=a.cispo_max,
+        sapo_tau_pos=a.sapo_tau_pos,
+        sapo_tau_neg=a.sapo_tau_neg,
+        dppo_low=a.dppo_low,
+        dppo_high=a.dppo_high,
+        icepop_low=a.icepop_low,
+        icepop_high=a.icepop_high,
+        geo_low=a.geo_low,
+        geo_high=a.geo_high,
+        m2po_tau=a.m2po_tau,
     )
 
 
@@ -136,6 +150,30 @@ class Learner:
             p.grad = flat[off : off + n].view_as(p).to(p.dtype)
             off += n
 
+    def _all_cat(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's 1-D tensor, concatenated in rank order (ranks may hold different lengths)."""
+        if self.world == 1:
+            return x
+        n = torch.tensor([x.numel()], dtype=torch.long, device=x.device)
+        sizes = [torch.zeros_like(n) for _ in range(self.world)]
+        dist.all_gather(sizes, n)
+        longest = max(int(s) for s in sizes)
+        padded = torch.cat([x, x.new_zeros(longest - x.numel())])
+        out = [torch.zeros_like(padded) for _ in range(self.world)]
+        dist.all_gather(out, padded)
+        return torch.cat([o[: int(s)] for o, s in zip(out, sizes, strict=True)])
+
+    def _m2po_cut(self, b: Batch, chunks: list[list[int]], old: list[torch.Tensor]) -> float:
+        """M2PO's cutoff over one mini-batch on every rank: its squared log-ratios
+        trainer/sampler, gathered, so each pass masks as one pass over the batch would."""
+        sq = [torch.zeros(0, device=self.device)]
+        for rows, o in zip(chunks, old, strict=True):
+            idx = torch.tensor(rows, dtype=torch.long)
+            m = b.mask[idx, : o.shape[1]].bool().to(self.device)
+            d = o - b.sampler_logp[idx, : o.shape[1]].to(self.device)
+            sq.append((d * d)[m])
+        return m2po_cutoff(self._all_cat(torch.cat(sq).float()), self.cfg.m2po_tau)
+
     def _all_sum(self, values: list[float]) -> list[float]:
         if self.world == 1:
             return values
@@ -196,12 +234,19 @@ class Learner:
         self.model.train()
         t0 = time.perf_counter()
         old: dict[tuple[int, int], torch.Tensor] = {}
-        if a.ppo_epochs * a.minibatches > 1:
+        # M2PO masks by the whole mini-batch's log-ratios: when one pass sees only part of it
+        # (micro-batches, ranks), the anchor is needed before the first backward.
+        m2po_split = cfg.mismatch == "m2po" and (self.world > 1 or any(len(c) > 1 for c in passes))
+        anchored = a.ppo_epochs * a.minibatches > 1 or m2po_split  # the same on every rank
+        if anchored:
             # The PPO anchor: log-probs under the weights the batch started from.
             with torch.no_grad():
                 for i, chunks in enumerate(passes):
                     for j, rows in enumerate(chunks):
                         old[i, j] = self._forward(b, rows)[0].detach()
+        cuts: list[float | None] = [None] * len(passes)
+        if cfg.mismatch == "m2po" and anchored:  # a collective: a rank with no rows takes part too
+            cuts = [self._m2po_cut(b, c, [old[i, j] for j in range(len(c))]) for i, c in enumerate(passes)]
         res.fwd_bwd_s += time.perf_counter() - t0
 
         sums: dict[str, float] = {}
@@ -230,6 +275,7 @@ class Learner:
                         entropy=ent if cfg.entropy_coef > 0.0 else ent.detach(),
                         n_tokens=counts[i][0],
                         n_seqs=counts[i][1],
+                        m2po_cut=cuts[i],
                     )
                     loss.backward()
                     n = float(mask.sum())
@@ -250,11 +296,10 @@ class Learner:
                 res.optim_s += t2 - t1
 
         # A fixed key list: every rank must all-reduce the same vector, even one with no rows.
-        keys = ["clip_frac", "clip_high_frac", "clip_low_frac", "entropy", "is_frac", "mismatch_k3", "mismatch_kl"]
-        keys += ["kl_ref"] if b.ref_logp is not None else []
+        keys = MEAN_KEYS + (["kl_ref"] if b.ref_logp is not None else [])
         reduced = self._all_sum([sums.get(k, 0.0) for k in keys] + [local_tokens, loss_sum])
         total_tokens = max(reduced[-2], 1.0)
-        res.stats = {k: v / total_tokens for k, v in zip(keys, reduced[:-2], strict=True)}
+        res.stats = finish({k: v / total_tokens for k, v in zip(keys, reduced[:-2], strict=True)})
         res.stats["loss"] = reduced[-1] / max(res.updates, 1)  # per-update losses are rank partial sums
         res.stats.update(extra)
         res.grad_norm /= max(res.updates, 1)

@@ -34,17 +34,37 @@ class Task(Protocol):
 
 
 _TASKS: dict[str, Callable[[], Task]] = {}
+# Families of tasks named "<prefix><name>", built with options (`task_spec.args`): "rg:<dataset>".
+_FAMILIES: dict[str, Callable[[str, dict[str, Any]], Task]] = {}
 
 
 def register_task(name: str, factory: Callable[[], Task]) -> None:
     _TASKS[name] = factory
 
 
-def get_task(name: str) -> Task:
+def register_task_family(prefix: str, factory: Callable[[str, dict[str, Any]], Task]) -> None:
+    _FAMILIES[prefix] = factory
+
+
+def make_task(name: str, args: dict[str, Any] | None = None) -> Task:
+    """A task by name with its options; only task families take options."""
+    for prefix, factory in _FAMILIES.items():
+        if name.startswith(prefix):
+            return factory(name[len(prefix) :], dict(args or {}))
+    if args:
+        raise ValueError(
+            f"task_spec.args: task {name!r} takes no options; only task families do ({', '.join(_FAMILIES)}<name>)"
+        )
     try:
         return _TASKS[name]()
     except KeyError:
-        raise KeyError(f"unknown task {name!r}; known: {sorted(_TASKS)}") from None
+        families = "".join(f", or {p}<name>" for p in _FAMILIES)
+        raise KeyError(f"unknown task {name!r}; known: {sorted(_TASKS)}{families}") from None
+
+
+def get_task(name: str) -> Task:
+    """A task by name, with default options."""
+    return make_task(name)
 
 
 def task_names() -> list[str]:
@@ -145,7 +165,7 @@ def _task_for(task: str, verifier: str, spec_json: str) -> Task:
     if verifier and ts.verifiers:
         raise ValueError("set either `verifier` or `task_spec.verifiers`, not both")
     verifiers = ts.verifiers or ([VerifierRef(name=verifier)] if verifier else [])
-    inner: Task = FileTask(task, ts.source) if ts.source is not None else get_task(task)
+    inner: Task = FileTask(task, ts.source) if ts.source is not None else make_task(task, ts.args)
     if not verifiers and not ts.template:
         return inner  # the registered task, unchanged (the arith demo's path)
     return ConfiguredTask(inner, ts.template, verifiers)
@@ -154,4 +174,10 @@ def _task_for(task: str, verifier: str, spec_json: str) -> Task:
 def task_for_job(spec: Any) -> Task:
     """The task a job runs (`JobSpec.task` + `verifier` + `task_spec`); cached per configuration."""
     ts = getattr(spec, "task_spec", None)
-    return _task_for(spec.task, spec.verifier, ts.model_dump_json() if ts is not None else "{}")
+    task = _task_for(spec.task, spec.verifier, ts.model_dump_json() if ts is not None else "{}")
+    # Tasks whose generator runs on user options check a few items under a deadline (rg:<dataset>):
+    # here, where the api validates a job and the feeder and rollout build prompts, not in scoring.
+    check = getattr(getattr(task, "inner", task), "check_generation", None)
+    if check is not None:
+        check()
+    return task

@@ -81,6 +81,12 @@ class TaskSpec(SpecModel):
         default_factory=list, max_length=VERIFIERS_MAX, description="Weighted reward components; empty: the task's own."
     )
     timeout_s: float = Field(60.0, gt=0.0, le=3600.0, description="Deadline to score one group.")
+    args: dict[ArgKey, ArgScalar | ArgList] = Field(
+        default_factory=dict,
+        max_length=ARGS_MAX_KEYS,
+        description="Options of a task family, e.g. for task 'rg:<dataset>' the reasoning-gym dataset's config "
+        "fields (min_terms, max_digits, ...) plus answer_format ('tag' or 'raw') and heldout_fraction.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -89,6 +95,8 @@ class TaskSpec(SpecModel):
         parts = [v.part or v.name for v in self.verifiers]
         if len(set(parts)) != len(parts):
             raise ValueError(f"task_spec.verifiers parts must be distinct (set `part`), got {parts}")
+        if self.source is not None and self.args:
+            raise ValueError("task_spec.args are a task family's options; a task_spec.source task has none")
         if self.template:
             render_template(self.template, {"prompt": ""}, check_only=True)
         return self

@@ -1,0 +1,63 @@
+"""How the tiny model does on reasoning-gym prompts before any RL (v0), in several shapes.
+
+    PYTHONPATH=. .venv/bin/python examples/rg_tiny_v0.py
+
+HF generate on .burstrl/models/tiny-sft, up to 64 held-out items per shape: greedy accuracy
+and sampled accuracy (8 samples at T=1), both "reward 1.0" by the dataset's own scorer.
+A shape whose sampled accuracy is ~0 gives GRPO no signal: every group scores alike.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from shared.domain.tasks import make_task
+from shared.domain.tasks.spec import render_template
+
+MODEL = ".burstrl/models/tiny-sft"
+SMALL_SUM = {"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+"], "allow_parentheses": False}
+DEMO = tomllib.loads(Path("examples/demo_rg.toml").read_text())
+SHAPES = [
+    ("rg:basic_arithmetic", SMALL_SUM, ""),  # rg's question + the <answer> line
+    ("rg:basic_arithmetic", {**SMALL_SUM, "answer_format": "raw"}, ""),  # "Calculate 3 + 5."
+    ("rg:basic_arithmetic", {**SMALL_SUM, "answer_format": "raw"}, "{expression}="),  # "3 + 5="
+    ("rg:chain_sum", {"min_terms": 2, "max_terms": 2, "max_digits": 1, "answer_format": "raw"}, "{expression}="),
+    (DEMO["task"], DEMO["task_spec"]["args"], DEMO["task_spec"]["template"]),  # examples/demo_rg.toml: "3+5="
+]
+
+
+def main(n: int = 64, k: int = 8) -> None:
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    for name, args, template in SHAPES:
+        task = make_task(name, args)
+        items = task.heldout_items(n)
+        greedy = sampled = 0
+        for it in items:
+            prompt = render_template(template, {**it.fields, "prompt": it.prompt}) if template else it.prompt
+            ids = tok(prompt, return_tensors="pt")
+            start = ids["input_ids"].shape[1]
+            with torch.no_grad():
+                g = model.generate(**ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
+                s = model.generate(
+                    **ids, max_new_tokens=8, do_sample=True, temperature=1.0, num_return_sequences=k,
+                    pad_token_id=tok.pad_token_id,
+                )  # fmt: skip
+            greedy += task.score(tok.decode(g[0, start:], skip_special_tokens=True), it.fields)["correct"] >= 1.0
+            sampled += sum(
+                task.score(tok.decode(o[start:], skip_special_tokens=True), it.fields)["correct"] >= 1.0 for o in s
+            )
+        print(
+            f"{name} args={args} template={template!r} e.g. {prompt!r}: {len(items)} held-out, "
+            f"greedy {greedy / len(items):.3f}, sampled {sampled / len(items) / k:.3f}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Run examples/demo_rg.toml on a private local stack (free ports) and plot its curve.
+
+    PYTHONPATH=. .venv/bin/python examples/run_demo_rg.py --steps 30 --out docs/demo_rg.png
+
+What `burstrl up` + `burstrl submit examples/demo_rg.toml --follow` do, but on free ports
+(so it runs beside another stack) and with the demo's plot at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tomllib
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+
+from services.cli.demo import plot
+from services.cli.follow import follow_job, print_summary
+from services.cli.launch import Launcher, free_port
+from services.cli.stack import stack_env
+
+ROLES = ["api", "reward", "ref", "rollout", "trainer"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--job", type=Path, default=Path("examples/demo_rg.toml"))
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--home", type=Path, default=Path(".burstrl/demo-rg"))
+    ap.add_argument("--out", type=Path, default=Path("docs/demo_rg.png"))
+    a = ap.parse_args()
+    console = Console()
+    spec = tomllib.loads(a.job.read_text())
+    spec["steps"] = a.steps
+    spec["base_model"] = str(Path(spec["base_model"]).resolve())
+    a.home.mkdir(parents=True, exist_ok=True)
+    launcher = Launcher(a.home / "run")
+    try:
+        redis_url = launcher.start_redis()
+        ports = {role: free_port() for role in ROLES}
+        env = stack_env(a.home, spec["base_model"], redis_url)
+        env["BURSTRL_TOOLS_SANDBOX_URL"] = f"http://127.0.0.1:{ports['reward']}"
+        for role in ROLES:
+            launcher.start_service(role, env, port=ports[role])
+        launcher.wait_ready(ROLES, timeout=900)
+        api = f"http://127.0.0.1:{ports['api']}"
+        resp = httpx.post(f"{api}/v1/jobs", json=spec, timeout=300)
+        if resp.status_code == 422:
+            raise SystemExit(json.dumps(resp.json()["detail"], indent=1))
+        job_id = resp.raise_for_status().json()["id"]
+        console.print(f"submitted {job_id}")
+        status = follow_job(api, job_id, {}, console, timeout=7200)
+        print_summary(status, console)
+        (a.home / "status.json").write_text(json.dumps(status))
+        console.print(f"plot: {plot(status, a.out)}")
+    finally:
+        launcher.stop_all()
+
+
+if __name__ == "__main__":
+    main()
