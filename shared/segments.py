@@ -74,6 +74,7 @@ class SegmentInfo:
     t_max: float
     created_at: float
     status: str = "ready"
+    sha256: str = ""  # of the data file, as in the manifest: a reader that has the index needs no manifest read
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -100,6 +101,7 @@ def pack(payloads: list[bytes], msgs: list[GroupMsg] | list[GroupHead]) -> tuple
         t_min=round(min(sampled), 3),
         t_max=round(max(sampled), 3),
         created_at=round(time.time(), 3),
+        sha256=hashlib.sha256(data).hexdigest(),
     )
     return data, info
 
@@ -110,14 +112,20 @@ def write_segment(store: ObjectStore, job_id: str, seg: str, data: bytes, info: 
     put_folder(store, segment_prefix(job_id, seg), {DATA: data}, meta)
 
 
-def read_segment(store: ObjectStore, job_id: str, seg: str) -> list[bytes]:
-    """The groups' payloads of a segment, verified against its manifest.
+def read_segment(store: ObjectStore, job_id: str, seg: str, info: SegmentInfo | None = None) -> list[bytes]:
+    """The groups' payloads of a segment, verified against its manifest, or against `info` (its
+    index entry, written after the manifest in the same script that acknowledged its groups:
+    it carries the same sha256, so one read of the data is enough).
 
     Raises SegmentRefused for a segment that is corrupt, truncated, foreign or missing (never to
     be trained), and whatever the store raises for an outage (to be tried again later)."""
     prefix = segment_prefix(job_id, seg)
     try:
-        manifest = json.loads(store.get(f"{prefix}/{MANIFEST}"))
+        if info is not None and info.sha256:
+            manifest = {"files": {DATA: info.sha256}, "job_id": job_id, "segment": seg, "format": FORMAT}
+            manifest["groups"] = info.groups
+        else:
+            manifest = json.loads(store.get(f"{prefix}/{MANIFEST}"))
         data = store.get(f"{prefix}/{DATA}")
     except StoreError as e:  # no such object: the index names a segment the store does not hold
         raise SegmentRefused(f"segment {seg}: {e}") from None

@@ -20,7 +20,7 @@ from shared.lease import Lease, LeaseLost
 from shared.ledger import audit
 from shared.metrics import read_ledger, read_points
 from shared.schema import decode_dead
-from shared.segments import DATA, read_segment, segment_prefix, stored_segments
+from shared.segments import DATA, SegmentRefused, read_segment, segment_prefix, stored_segments
 from shared.store import FileStore
 from tests.backlog_helpers import Drain, group, group_ids_of, new_job, push_ready, runtime, spec, spiller
 
@@ -208,6 +208,9 @@ def test_a_corrupt_segment_is_refused_dead_lettered_and_never_trained(r, redis_s
         path.write_bytes(raw[:100] + bytes([raw[100] ^ 1]) + raw[101:])
     else:
         path.unlink()
+    for info in (None, read_index(r, rec.id)[bad]):  # checked against the manifest, or the index's copy of its sha256
+        with pytest.raises(SegmentRefused):
+            read_segment(store, rec.id, bad, info)
     d = Drain(r, store, rec)
     got = d.all(16, timeout=20)
     d.close()

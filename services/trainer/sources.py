@@ -37,7 +37,7 @@ from shared.bus import Bus, Entry
 from shared.job import JobRecord
 from shared.lease import Fence
 from shared.schema import DeadLetter, GroupMsg, decode, encode_dead
-from shared.segments import SegmentRefused, delete_segment, read_segment, segment_prefix
+from shared.segments import SegmentInfo, SegmentRefused, delete_segment, read_segment, segment_prefix
 from shared.store import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,7 @@ class Sources:
         self._retry_at: dict[str, float] = {}
         self._index_at = 0.0
         self._order: list[str] = []  # indexed segments not handed out yet, in the job's order
+        self._infos: dict[str, SegmentInfo] = {}  # their index entries (each carries its data's sha256)
 
     # -- reading ---------------------------------------------------------------------
     def read(self, need: int, own_pending: bool) -> list[Ref]:
@@ -165,7 +166,8 @@ class Sources:
             held = self._handed | set(self._fetching)
             if n := expire_segments(self.r, self.store, self.rec, self._version(), fence=self._fence(), skip=held):
                 log.warning("job %s: dropped %d backlog groups past the age limit (dropped_age)", self.job_id, n)
-            segs = list(read_index(self.r, self.job_id))  # sorted by id: creation order
+            self._infos = read_index(self.r, self.job_id)
+            segs = list(self._infos)  # sorted by id: creation order
             self._order = [s for s in (reversed(segs) if self.freshest else segs) if s not in self._handed]
         for seg in self._order:
             if len(self._fetching) >= self.prefetch:
@@ -174,7 +176,7 @@ class Sources:
                 continue
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.prefetch, thread_name_prefix=f"segments-{self.job_id}")
-            self._fetching[seg] = self._pool.submit(read_segment, self.store, self.job_id, seg)
+            self._fetching[seg] = self._pool.submit(read_segment, self.store, self.job_id, seg, self._infos.get(seg))
         self._order = [s for s in self._order if s not in self._fetching and s not in self._handed]
 
     def segments_waiting(self) -> int:
