@@ -295,6 +295,12 @@ class TcpProxy:
 
     def cut(self) -> None:
         if self._srv is not None:
+            # shutdown first: a bare close() leaves the thread blocked in accept() holding the
+            # listening socket, which then takes one more connection through.
+            try:
+                self._srv.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             self._srv.close()
             self._srv = None
         for c in self._conns:
@@ -429,3 +435,25 @@ def test_a_backlog_at_its_budget_makes_rollout_idle_and_say_why(r, redis_server,
     assert len(d.all(8)) == 8
     d.close()
     assert feeder.tick() == 8
+
+
+def test_a_store_the_trainer_cannot_reach_leaves_it_training_the_hot_stream(r, redis_server, s3_endpoint, monkeypatch):
+    """Segments it cannot read now are tried again later; meanwhile the hot window is trained."""
+    make_bucket(s3_endpoint, "bl-readout")
+    store = open_store("s3://bl-readout/backlog")
+    rec = new_job(r, spec())
+    push_ready(r, rec.id, [group(rec.id, i) for i in range(40)])
+    assert spiller(runtime(redis_server.url), store).tick() == 32
+    proxy = TcpProxy(int(s3_endpoint.rsplit(":", 1)[1]))
+    proxy.start()
+    monkeypatch.setenv("STORE_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    behind_proxy = open_store("s3://bl-readout/backlog")  # the trainer's view of the store
+    proxy.cut()
+    d = Drain(r, behind_proxy, rec)
+    hot = d.all(8, timeout=120)
+    assert sorted(hot) == sorted(f"{rec.id}:g{i}" for i in range(32, 40))  # oldest first, but the store is away
+    proxy.start()
+    got = d.all(40, timeout=120)
+    d.close()
+    assert len(got) == 40 and sorted(got) == _ids(rec.id, 40)
+    _balanced(r, rec.id)

@@ -180,8 +180,11 @@ class Sources:
         self._order = [s for s in self._order if s not in self._fetching and s not in self._handed]
 
     def segments_waiting(self) -> int:
-        """Indexed segments not handed out yet (queued, being fetched, or partly handed out)."""
-        return len(self._order) + len(self._fetching) + (1 if self._open else 0)
+        """Indexed segments not handed out yet (queued, being fetched, or partly handed out); not
+        those the store could not serve lately: during an outage the hot stream is trained meanwhile."""
+        now = time.monotonic()
+        queued = sum(1 for s in self._order if self._retry_at.get(s, 0.0) <= now)
+        return queued + len(self._fetching) + (1 if self._open else 0)
 
     # -- decoding, acknowledging, refusing ---------------------------------------------
     def decode(self, refs: list[Ref]) -> list[tuple[Ref, GroupMsg]]:
