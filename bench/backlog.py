@@ -117,8 +117,10 @@ def idle_run(stack: Stack, mode: str, cycles: int, cycle_s: float, duty: float) 
 def bench_idle(a: argparse.Namespace) -> list[dict[str, Any]]:
     out = []
     with tempfile.TemporaryDirectory(prefix="bench-backlog-") as tmp:
-        env = {"BURSTRL_TRAINER_CHECKPOINT_EVERY": "5"}
-        with Stack(Path(tmp), MODEL, roles=["api", "reward", "rollout"], env=env) as stack:
+        # The trainer's defaults (a checkpoint, and so an ack, every step): a windowed job's window
+        # counts the groups a trainer holds until its checkpoint, so checkpointing less often than
+        # every max_staleness + 1 steps would stall the windowed side until the trainer exits.
+        with Stack(Path(tmp), MODEL, roles=["api", "reward", "rollout"]) as stack:
             for rnd in range(a.rounds_idle):
                 for mode in ("windowed", "backlog") if rnd % 2 == 0 else ("backlog", "windowed"):
                     res = idle_run(stack, mode, a.cycles, a.cycle_s, a.duty)
