@@ -295,3 +295,13 @@ def test_rollout_advertises_its_context():
         engine.close()
     finally:
         srv.shutdown()
+
+
+def test_a_backlog_budget_the_store_cannot_hold_is_a_422(client):
+    """Issue 19: a budget the deployment cannot hold is a clear 422, never a silent drop."""
+    body = {"name": "big", "base_model": "m", "eval_size": 0, "backlog": {"max_groups": 1000, "max_bytes": 1 << 44}}
+    resp = client.post("/v1/jobs", json=body)
+    assert _loc(resp) == ["body", "backlog", "max_bytes"]
+    assert "bytes free under the object store" in resp.json()["detail"][0]["msg"]
+    body["backlog"]["max_bytes"] = 1 << 20
+    assert client.post("/v1/jobs", json=body).status_code == 201

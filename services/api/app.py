@@ -13,6 +13,7 @@ from fastapi.staticfiles import StaticFiles
 from services.api import http_limits, jobs, overview, recovery
 from services.api.checks import SpecProblem
 from shared import keys
+from shared.backlog import budget_problem
 from shared.domain.envs import load_env_plugins
 from shared.domain.verifiers import load_plugins
 from shared.job import JobRecord, JobSpec, UnreadableJob
@@ -83,6 +84,8 @@ def build_routes(rt: ServiceRuntime, store: ObjectStore | None = None) -> FastAP
         """Submit a job. Besides the spec's own ranges, it is checked against what is registered
         (task, verifiers and their args, environment), its prompt source (read here) and the
         context of the rollout replicas serving its base model: a 422 names the field."""
+        if store is not None and (why := budget_problem(spec, store)):  # a budget this deployment cannot hold
+            raise HTTPException(422, [{"type": "value_error", "loc": ["body", "backlog", "max_bytes"], "msg": why}])
         try:
             rec = jobs.create_job(r, spec=spec)
         except SpecProblem as e:

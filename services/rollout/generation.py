@@ -73,6 +73,7 @@ class Generator:
         self.m_groups = Counter("burstrl_rollout_groups", "Groups produced", registry=reg)
         self.m_tps = Gauge("burstrl_rollout_tokens_per_second", "Generated tokens/s (last window)", registry=reg)
         self.m_idle = Gauge("burstrl_rollout_idle_fraction", "Wall time not in the engine (last window)", registry=reg)
+        self.idle_frac = 0.0  # the same, for the metric points
         self.m_env_turns = Counter("burstrl_rollout_env_turns", "Model turns in env episodes", registry=reg)
         self.m_env_tools = Counter("burstrl_rollout_env_tool_calls", "Tool calls in env episodes", registry=reg)
         self.m_env_tool_err = Counter("burstrl_rollout_env_tool_errors", "Failed tool calls", registry=reg)
@@ -225,6 +226,8 @@ class Generator:
                 "tokens_per_s": round(st["tokens"] / seconds, 1) if seconds > 0 else 0.0,
                 "truncated_frac": round(st["truncated"] / max(1, st["samples"]), 4),
                 "version": version,
+                # The engine's idle share over the last ~10 s window (all jobs): what "never idle" measures.
+                "idle_frac": round(self.idle_frac, 4),
             }
             record_point(self.rt.redis, job_id, "rollout", point)
             if job_id in episodes:  # turns, tool calls and errors, episode length
@@ -238,7 +241,8 @@ class Generator:
         if elapsed < 10:
             return
         self.m_tps.set(self._win_tokens / elapsed)
-        self.m_idle.set(max(0.0, 1.0 - (self.leases.busy_s - self._win_busy0) / elapsed))
+        self.idle_frac = max(0.0, 1.0 - (self.leases.busy_s - self._win_busy0) / elapsed)
+        self.m_idle.set(self.idle_frac)
         self._win_t0, self._win_busy0, self._win_tokens = time.time(), self.leases.busy_s, 0
 
 
