@@ -1,0 +1,127 @@
+"""The bus's server-side scripts: each one atomic step of stream handling, with its
+contract (KEYS and ARGV) above it. Only shared/bus.py runs them; they live apart so the
+bus's Python reads in one sitting.
+
+- SETTLE_LUA: hand a batch of entries on, each at most once (XACK, then XADD + counters);
+- ACK_LUA / FENCED_ACK_LUA: acknowledge a batch with one count each (fenced: only the
+  lease holder, docs/architecture.md invariant 10);
+- SPILL_LUA: move entries from the ready stream into an indexed backlog segment, all or nothing;
+- TRIM_LUA: delete what every consumer group has acknowledged.
+"""
+
+from __future__ import annotations
+
+from shared.lease import FENCE_CHECK
+
+# One call settles a batch of units, each at most once. KEYS: every stream and ledger
+# key the batch touches. ARGV: group, field, n_units, then per unit: input key index,
+# entry id, ledger key index, n_outputs, (output key index, payload)..., n_counters,
+# (name, n)... Returns one flag per unit: 1 if it was settled now (its XACK removed the entry).
+SETTLE_LUA = """
+local group, field = ARGV[1], ARGV[2]
+local i, flags = 4, {}
+local sums, order = {}, {}  -- counters summed per (ledger, name): one HINCRBY each
+for _ = 1, tonumber(ARGV[3]) do
+  local fresh = redis.call('XACK', KEYS[tonumber(ARGV[i])], group, ARGV[i + 1]) == 1
+  local ledger = KEYS[tonumber(ARGV[i + 2])]
+  local nout = tonumber(ARGV[i + 3])
+  i = i + 4
+  table.insert(flags, fresh and 1 or 0)
+  for _ = 1, nout do
+    if fresh then redis.call('XADD', KEYS[tonumber(ARGV[i])], '*', field, ARGV[i + 1]) end
+    i = i + 2
+  end
+  local ncount = tonumber(ARGV[i])
+  i = i + 1
+  for _ = 1, ncount do
+    if fresh then
+      local key = ledger .. '\0' .. ARGV[i]
+      if sums[key] == nil then
+        sums[key] = 0
+        table.insert(order, {ledger, ARGV[i], key})
+      end
+      sums[key] = sums[key] + tonumber(ARGV[i + 1])
+    end
+    i = i + 2
+  end
+end
+for _, c in ipairs(order) do redis.call('HINCRBY', c[1], c[2], sums[c[3]]) end
+return flags
+"""
+
+
+# A batch acknowledged with the same counters (the trainer's step, a drop). KEYS: stream,
+# ledger. ARGV: group, n_names, names..., entry ids... Each counter rises by how many
+# entries XACK removed from the pending list right now.
+ACK_LUA = """
+local nnames = tonumber(ARGV[2])
+local acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 3 + nnames))
+if acked > 0 then
+  for j = 1, nnames do redis.call('HINCRBY', KEYS[2], ARGV[2 + j], acked) end
+end
+return acked
+"""
+
+
+# KEYS: ready stream, ledger, backlog index. ARGV: group, consumer, segment id, index entry JSON,
+# entry ids in stream order... All or nothing: -1 (nothing done) unless every entry is still pending to this
+# consumer (the trainer may have taken some over: they must not be trained and spilled both),
+# -2 if the segment is indexed already; else XACK them all, count them spilled (and the ledger's
+# running backlog_bytes), index the segment.
+SPILL_LUA = """
+local lo, hi = ARGV[5], ARGV[#ARGV]  -- the ids come in stream order
+local mine = {}
+for _, p in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], lo, hi, 100000, ARGV[2])) do mine[p[1]] = true end
+for i = 5, #ARGV do
+  if not mine[ARGV[i]] then return -1 end
+end
+if redis.call('HEXISTS', KEYS[3], ARGV[3]) == 1 then return -2 end
+local n = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 5))
+redis.call('HINCRBY', KEYS[2], 'spilled', n)
+redis.call('HINCRBY', KEYS[2], 'backlog_bytes', cjson.decode(ARGV[4])['bytes'])
+redis.call('HSET', KEYS[3], ARGV[3], ARGV[4])
+return n
+"""
+
+
+# ACK_LUA behind the lease guard (shared/lease.py): KEYS lease, stream, ledger; ARGV the lease
+# value, then ACK_LUA's ARGV. Returns -1, acknowledging nothing, when the caller lost the lease.
+FENCED_ACK_LUA = (
+    FENCE_CHECK
+    + """
+local nnames = tonumber(ARGV[3])
+local acked = redis.call('XACK', KEYS[2], ARGV[2], unpack(ARGV, 4 + nnames))
+if acked > 0 then
+  for j = 1, nnames do redis.call('HINCRBY', KEYS[3], ARGV[3 + j], acked) end
+end
+return acked
+"""
+)
+
+
+# KEYS: the stream. Computes, atomically, the lowest id any group still needs — per
+# group its oldest pending entry, else the first entry after its last-delivered id —
+# and trims below it. Returns {entries removed, the bound or ""}.
+TRIM_LUA = """
+local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
+if not ok or #groups == 0 then return {0, ''} end
+local best_ms, best_seq = nil, nil
+for _, g in ipairs(groups) do
+  local info = {}
+  for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+  local bound
+  if tonumber(info['pending']) > 0 then
+    bound = redis.call('XPENDING', KEYS[1], info['name'])[2]
+  else
+    bound = info['last-delivered-id']
+  end
+  local ms, seq = string.match(bound, '(%d+)-(%d+)')
+  ms, seq = tonumber(ms), tonumber(seq)
+  if info['pending'] == 0 then seq = seq + 1 end
+  if best_ms == nil or ms < best_ms or (ms == best_ms and seq < best_seq) then
+    best_ms, best_seq = ms, seq
+  end
+end
+local minid = string.format('%d-%d', best_ms, best_seq)
+return {redis.call('XTRIM', KEYS[1], 'MINID', minid), minid}
+"""
