@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shared.domain.tasks import make_task
-from shared.domain.tasks.spec import render_template
+from shared.task_spec import render_template
 
 MODEL = ".burstrl/models/tiny-sft"
 SMALL_SUM = {"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+"], "allow_parentheses": False}

@@ -6,7 +6,8 @@ from pydantic import ValidationError
 
 from services.trainer.learner import loss_config
 from services.trainer.losses import LossConfig
-from shared.job import AlgorithmSpec, JobSpec
+from shared.algorithm import AlgorithmSpec
+from shared.job import JobSpec
 
 TOKEN = "s3cr3t-token-for-tests-0123"
 

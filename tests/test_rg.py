@@ -13,8 +13,8 @@ import pytest
 from shared.domain.tasks import get_task, make_task, task_for_job
 from shared.domain.tasks import rg as rgmod
 from shared.domain.tasks.rg import RgTask, dataset_names
-from shared.domain.tasks.spec import TaskSpec
 from shared.job import JobSpec
+from shared.task_spec import TaskSpec
 
 # A small problem space (single-digit a+b / a-b: ~200 questions), where a split that relied on
 # separate seeds alone would leak held-out questions into training.

@@ -23,7 +23,7 @@ import pytest
 
 from shared.domain.sandbox import Limits, check_isolation, run_code, run_program
 from shared.domain.tasks.base import _task_for, score_many
-from shared.domain.tasks.spec import TaskSpec
+from shared.task_spec import TaskSpec
 
 ok, why = check_isolation()
 pytestmark = pytest.mark.skipif(not ok, reason=f"sandbox unavailable here: {why}")

@@ -13,8 +13,8 @@ from services.reward.scorer import GroupWork, Scorer
 from shared.domain.sandbox import check_isolation
 from shared.domain.tasks import get_task, score_many, task_for_job, task_names
 from shared.domain.tasks.arith import ArithTask
-from shared.domain.tasks.spec import TaskSpec, render_template
 from shared.job import JobSpec
+from shared.task_spec import TaskSpec, render_template
 
 
 def job(**kw: object) -> JobSpec:

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from shared.domain.sandbox import check_isolation
-from shared.domain.tasks.spec import VerifierRef
 from shared.domain.verifiers import (
     Scored,
     VerifierError,
@@ -24,6 +23,7 @@ from shared.domain.verifiers import (
     verifier_names,
 )
 from shared.domain.verifiers.http import ALLOW_ENV
+from shared.task_spec import VerifierRef
 
 
 def run(name: str, completions: list[str], **kw: object) -> list[float]:

@@ -13,7 +13,7 @@ from shared.domain.envs import calc as _calc  # noqa: F401  (registers env "calc
 from shared.domain.envs import guess as _guess  # noqa: F401  (registers env "guess", task "guess")
 from shared.domain.envs import python_tool as _python_tool  # noqa: F401  (registers env "python", task "arith3py")
 from shared.domain.envs.base import Env, EnvError, StepResult, env_names, load_env_plugins, make_env, register_env
-from shared.domain.envs.spec import EnvSpec
+from shared.env_spec import EnvSpec
 
 __all__ = [
     "Env",

@@ -134,7 +134,7 @@ class ConfiguredTask(VerifiedTask):
     def _render(self, item: TaskItem) -> TaskItem:
         if not self.template:
             return item
-        from shared.domain.tasks.spec import render_template
+        from shared.task_spec import render_template
 
         prompt = render_template(self.template, {**item.fields, "prompt": item.prompt})
         return TaskItem(item_id=item.item_id, prompt=prompt, fields=item.fields)
@@ -159,7 +159,7 @@ class ConfiguredTask(VerifiedTask):
 @lru_cache(maxsize=64)
 def _task_for(task: str, verifier: str, spec_json: str) -> Task:
     from shared.domain.tasks.files import FileTask
-    from shared.domain.tasks.spec import TaskSpec, VerifierRef
+    from shared.task_spec import TaskSpec, VerifierRef
 
     ts = TaskSpec.model_validate_json(spec_json)
     if verifier and ts.verifiers:

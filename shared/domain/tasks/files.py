@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.domain.tasks.base import TaskItem
-from shared.domain.tasks.spec import SourceSpec
+from shared.task_spec import SourceSpec
 
 
 class SourceError(ValueError):

@@ -13,7 +13,7 @@ from fractions import Fraction
 from typing import Any
 
 from shared.domain.tasks.base import TaskItem, VerifiedTask, register_task
-from shared.domain.tasks.spec import VerifierRef
+from shared.task_spec import VerifierRef
 
 HELDOUT_FRACTION = 0.15
 
