@@ -227,3 +227,54 @@ def test_entries_of_a_replica_whose_heartbeat_expired_are_taken_at_once(r):
     got = heir.read([keys.prompts(JOB)], count=10, block_ms=50)
     assert sorted(e.id for e in got) == sorted(e.id for e in held_dead)
     assert not {e.id for e in got} & {e.id for e in held_alive}
+
+
+def _consumers(r, stream, group):
+    return {c["name"].decode(): int(c["pending"]) for c in r.xinfo_consumers(stream, group)}
+
+
+def test_a_leaving_consumer_hands_its_pending_entries_to_a_live_peer(r):
+    """A burst-side replica at the end of its burst: what it held is redone by a home replica,
+    at once, and the consumer is gone from the group."""
+    _flow(r, 4)
+    stream = keys.prompts(JOB)
+    home = Bus(r, keys.GROUP_ROLLOUT, "home", heartbeat_role="rollout")
+    burst = Bus(r, keys.GROUP_ROLLOUT, "burst", heartbeat_role="rollout")
+    assert len(home.read([stream], count=1, block_ms=50)) == 1
+    held = burst.read([stream], count=3, block_ms=50)  # mid-round when the burst ends
+    r.set(keys.service("rollout", "home"), b"{}", ex=60)
+    r.set(keys.service("rollout", "burst"), b"{}", ex=60)  # still heartbeating while it leaves
+
+    left = burst.leave([stream, keys.prompts("no-such-job")])
+    assert (left.handed, left.held, left.left) == (3, 0, 1)
+    assert _consumers(r, stream, keys.GROUP_ROLLOUT) == {"home": 4}
+    # The peer redoes them from its own pending list on its next pass (no delivery counted).
+    home._last_claim = 0
+    got = home.read([stream], count=10, block_ms=50)
+    assert {e.id for e in held} <= {e.id for e in got}
+    pend = r.xpending_range(stream, keys.GROUP_ROLLOUT, "-", "+", 10, "home")
+    assert {int(p["times_delivered"]) for p in pend if p["message_id"].decode() in {e.id for e in held}} == {2}
+    for e in got:
+        home.forward([e], [(keys.rollouts(JOB), b"g")], {JOB: {"produced": 1}})
+    assert read_ledger(r, JOB)["produced"] == 4 and audit(r, JOB).balanced
+
+
+def test_a_leaving_consumer_with_no_live_peer_keeps_its_entries_for_the_next_reader(r):
+    _flow(r, 2)
+    stream = keys.prompts(JOB)
+    burst = Bus(r, keys.GROUP_ROLLOUT, "burst", heartbeat_role="rollout")
+    r.set(keys.service("rollout", "burst"), b"{}", ex=60)
+    held = burst.read([stream], count=2, block_ms=50)
+    gone = Bus(r, keys.GROUP_ROLLOUT, "gone", heartbeat_role="rollout")
+    assert gone.read([stream], count=1, block_ms=50) == []  # a consumer without a heartbeat: not a peer
+    left = burst.leave([stream])
+    assert (left.handed, left.held, left.left) == (0, 2, 0)  # never deleted while holding entries
+    assert _consumers(r, stream, keys.GROUP_ROLLOUT)["burst"] == 2
+    # Its heartbeat is gone (the process ended): the first replica to read takes them at once.
+    r.delete(keys.service("rollout", "burst"))
+    time.sleep(2.1)
+    heir = Bus(r, keys.GROUP_ROLLOUT, "heir", heartbeat_role="rollout")
+    got = heir.read([stream], count=10, block_ms=50)
+    assert sorted(e.id for e in got) == sorted(e.id for e in held)
+    assert burst.leave([stream]).left == 1  # holding nothing now: it can go
+    assert "burst" not in _consumers(r, stream, keys.GROUP_ROLLOUT)
