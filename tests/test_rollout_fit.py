@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from pydantic import ValidationError
 
@@ -68,3 +70,25 @@ def test_the_reserve_is_validated():
 def test_measure_reads_this_machine():
     card = measure()
     assert card.total > 0 and 0 <= card.free <= card.total
+
+
+def test_a_replica_that_cannot_fit_refuses_to_start_as_a_process(tmp_path, tiny_model):
+    """The service itself: exit 2 before any engine loads (no Redis needed), the measurements in its log."""
+    import os
+    import subprocess
+    import sys
+
+    env = {
+        **os.environ,
+        "BURSTRL_DEV": "1",
+        "REDIS_URL": "redis://127.0.0.1:1/0",  # never reached: it refuses first
+        "BURSTRL_ROLLOUT_MODEL": str(tiny_model),
+        "BURSTRL_ROLLOUT_TRAINER_RESERVE_GB": "100000",  # the trainer takes the whole card
+        "BURSTRL_DATA_DIR": str(tmp_path),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.rollout"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert re.search(r"refuses to start beside the trainer: it needs \d+\.\d GiB", proc.stderr), proc.stderr[-2000:]
+    assert "GiB total" in proc.stderr and "GiB free now" in proc.stderr

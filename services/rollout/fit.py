@@ -78,6 +78,7 @@ def check_fit(s: RolloutSettings, card: Card) -> str:
         kv_gib = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB))
         need = weights_bytes(s.model) + int(kv_gib * GIB)
         what = f"its weights plus VLLM_CPU_KVCACHE_SPACE={kv_gib:g} GiB"
+        lower = "VLLM_CPU_KVCACHE_SPACE"
     else:
         if s.gpu_memory_utilization is None:
             raise DoesNotFit(
@@ -86,6 +87,7 @@ def check_fit(s: RolloutSettings, card: Card) -> str:
             )
         need = int(s.gpu_memory_utilization * card.total)
         what = f"gpu_memory_utilization {s.gpu_memory_utilization:g} of the card"
+        lower = "BURSTRL_ROLLOUT_GPU_MEMORY_UTILIZATION, as `burstrl plan` sizes it"
     beside = card.total - int(reserve * GIB)  # what the trainer's peak leaves
     room = min(beside, card.free)
     measured = (
@@ -95,7 +97,7 @@ def check_fit(s: RolloutSettings, card: Card) -> str:
     if need > room:
         raise DoesNotFit(
             f"rollout refuses to start beside the trainer: it needs {need / GIB:.1f} GiB ({what}), but only "
-            f"{max(0, room) / GIB:.1f} GiB are left for it ({measured}). Lower its share "
-            "(BURSTRL_ROLLOUT_GPU_MEMORY_UTILIZATION, as `burstrl plan` sizes it) or run the burst without a replica"
+            f"{max(0, room) / GIB:.1f} GiB are left for it ({measured}). Lower its share ({lower}) "
+            "or run the burst without a replica"
         )
     return f"fits beside the trainer: needs {need / GIB:.1f} GiB ({what}) of {room / GIB:.1f} GiB ({measured})"
