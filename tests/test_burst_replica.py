@@ -82,6 +82,10 @@ def test_a_burst_replica_joins_adopts_and_leaves_cleanly_mid_job(tmp_path, tiny_
         wait_for(
             lambda: _pending_to(client, prompts, keys.GROUP_ROLLOUT, BURST) > 0, 300, "a round in flight", None, 0.05
         )
+        held = {
+            p["message_id"].decode()
+            for p in client.xpending_range(prompts, keys.GROUP_ROLLOUT, "-", "+", 100, consumername=BURST)
+        }
         os.kill(burst.pid, signal.SIGTERM)  # what `docker stop` / the pod's end sends
         wait_for(lambda: not alive(burst.pid), 180, "the burst replica to exit", launcher)
         log = tail(burst.log, 400)
@@ -92,6 +96,12 @@ def test_a_burst_replica_joins_adopts_and_leaves_cleanly_mid_job(tmp_path, tiny_
         assert _pending_to(client, prompts, keys.GROUP_ROLLOUT, BURST) == 0
         assert BURST not in _consumers(client, prompts, keys.GROUP_ROLLOUT)
         assert not client.exists(keys.service("rollout", BURST))
+        # What it held when told to leave was settled (its round finished) or is the home replica's now.
+        home = {
+            p["message_id"].decode(): p["consumer"].decode()
+            for p in client.xpending_range(prompts, keys.GROUP_ROLLOUT, "-", "+", 100)
+        }
+        assert all(home.get(eid, "rollout-settled") != BURST for eid in held)
 
         final = wait_for(
             lambda: (lambda s: s if s["job"]["state"] == "completed" else None)(status()), 900, "the job", launcher
