@@ -289,6 +289,10 @@ def test_burst_compose_runs_the_recipe_and_requires_its_secrets(compose_schema: 
     assert trainer["command"] == ["burstrl-burst"] and trainer["restart"] == "on-failure"
     assert trainer["image"].startswith("burstrl/trainer:")
     check_env_names(env_keys(trainer), "compose.burst.yaml")
+    assert trainer["environment"]["BURST_ROLLOUT"] == "0"  # a replica beside the trainer is opt-in
+    with_replica = load_compose(path, env | {"BURST_ROLLOUT": "1", "BURST_IMAGE": "burstrl/burst"})["services"]
+    assert with_replica["trainer"]["image"].startswith("burstrl/burst:")  # the image that has vLLM
+    assert with_replica["trainer"]["environment"]["BURST_ROLLOUT"] == "1"
     for secret in ("REDIS_URL", "STORE_ENDPOINT_URL", "AWS_SECRET_ACCESS_KEY", "BURSTRL_TOKEN"):
         with pytest.raises(MissingRequired, match=secret):
             load_compose(path, {k: v for k, v in env.items() if k != secret})
@@ -730,7 +734,7 @@ def run_burst(**over: str) -> subprocess.CompletedProcess[str]:
             for bad in ("0", "1.5", "-0.3", "nan", "0.")
         ),
         *(
-            ({**REPLICA, "BURST_TRAINER_GB": bad}, "BURST_TRAINER_GB must be a positive number of GiB")
+            ({**REPLICA, "BURST_TRAINER_GB": bad}, "BURST_TRAINER_GB must be a positive number of GB")
             for bad in ("0", "-3", "inf", "lots")
         ),
         (REPLICA, "needs vLLM, which this image lacks"),  # the plain trainer image

@@ -7,10 +7,10 @@ import re
 import pytest
 from pydantic import ValidationError
 
-from services.rollout.fit import GIB, Card, DoesNotFit, check_fit, measure, weights_bytes
+from services.rollout.fit import GB, GIB, Card, DoesNotFit, check_fit, measure, weights_bytes
 from services.rollout.settings import RolloutSettings
 
-H200 = 141 * GIB
+H200 = int(141 * GB)
 
 
 def _settings(**kw) -> RolloutSettings:
@@ -21,7 +21,7 @@ def test_a_share_that_fits_beside_the_trainer_starts():
     s = _settings(gpu_memory_utilization=0.3, trainer_reserve_gb=90)
     assert "fits beside the trainer" in check_fit(s, Card("cuda:0", H200, H200))
     # The trainer already holds its reserve: what is free now is still enough.
-    assert "fits" in check_fit(s, Card("cuda:0", H200, H200 - 90 * GIB))
+    assert "fits" in check_fit(s, Card("cuda:0", H200, H200 - int(90 * GB)))
 
 
 def test_a_share_the_trainer_leaves_no_room_for_is_refused_with_the_measurements():
@@ -29,15 +29,15 @@ def test_a_share_the_trainer_leaves_no_room_for_is_refused_with_the_measurements
     with pytest.raises(DoesNotFit) as e:
         check_fit(s, Card("cuda:0", H200, H200))
     msg = str(e.value)
-    assert "needs 70.5 GiB" in msg and "141.0 GiB total" in msg and "leaves 51.0 GiB" in msg
+    assert "needs 70.5 GB" in msg and "141.0 GB total" in msg and "leaves 51.0 GB" in msg
     assert "BURSTRL_ROLLOUT_GPU_MEMORY_UTILIZATION" in msg
 
 
 def test_a_trainer_past_its_reserve_makes_the_replica_refuse_on_what_is_free():
     # The trainer's reserve would leave room, but it already uses more than it said.
     s = _settings(gpu_memory_utilization=0.3, trainer_reserve_gb=60)
-    with pytest.raises(DoesNotFit, match=r"only 30\.0 GiB are left for it .*30\.0 GiB free now"):
-        check_fit(s, Card("cuda:0", H200, 30 * GIB))
+    with pytest.raises(DoesNotFit, match=r"only 30\.0 GB are left for it .*30\.0 GB free now"):
+        check_fit(s, Card("cuda:0", H200, int(30 * GB)))
 
 
 def test_beside_a_trainer_the_share_must_be_set():
@@ -55,7 +55,7 @@ def test_on_vllm_cpu_the_need_is_the_weights_and_the_kv_space(tmp_path, monkeypa
     assert weights_bytes(str(tmp_path)) == 1000
     s = RolloutSettings(model=str(tmp_path), dev=True, trainer_reserve_gb=4)
     assert "VLLM_CPU_KVCACHE_SPACE=2" in check_fit(s, Card("cpu", 8 * GIB, 8 * GIB))
-    with pytest.raises(DoesNotFit, match=r"needs 2\.0 GiB"):
+    with pytest.raises(DoesNotFit, match=r"needs 2\.1 GB"):
         check_fit(s, Card("cpu", 8 * GIB, GIB))
 
 
@@ -90,5 +90,5 @@ def test_a_replica_that_cannot_fit_refuses_to_start_as_a_process(tmp_path, tiny_
         [sys.executable, "-m", "services.rollout"], env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert re.search(r"refuses to start beside the trainer: it needs \d+\.\d GiB", proc.stderr), proc.stderr[-2000:]
-    assert "GiB total" in proc.stderr and "GiB free now" in proc.stderr
+    assert re.search(r"refuses to start beside the trainer: it needs \d+\.\d GB", proc.stderr), proc.stderr[-2000:]
+    assert "GB total" in proc.stderr and "GB free now" in proc.stderr

@@ -73,7 +73,7 @@ case "${BURST_ROLLOUT:-0}" in
     [[ "$BURST_ROLLOUT_MEMORY_SHARE" =~ ^(0?[.][0-9]+|1([.]0*)?)$ ]] && positive "$BURST_ROLLOUT_MEMORY_SHARE" \
       || die "BURST_ROLLOUT_MEMORY_SHARE must be a fraction of the card in (0, 1] (burstrl plan's replica gpu_memory_utilization), got '$BURST_ROLLOUT_MEMORY_SHARE'"
     [[ "$BURST_TRAINER_GB" =~ ^[0-9]+([.][0-9]+)?$ ]] && positive "$BURST_TRAINER_GB" \
-      || die "BURST_TRAINER_GB must be a positive number of GiB (burstrl plan's trainer peak), got '$BURST_TRAINER_GB'"
+      || die "BURST_TRAINER_GB must be a positive number of GB (burstrl plan's trainer peak), got '$BURST_TRAINER_GB'"
     python -c "import vllm" 2>/dev/null \
       || die "BURST_ROLLOUT=1 needs vLLM, which this image lacks: use the burst image (docker build --target burst)"
     ;;
@@ -108,7 +108,7 @@ echo "burst: training for up to ${BURSTRL_TRAINER_TIME_BUDGET_S}s on ${NPROC_PER
 trainer_cmd=(torchrun --standalone --nproc-per-node="${NPROC_PER_NODE:-1}" --max-restarts=3 -m services.trainer)
 
 if [[ "${BURST_ROLLOUT:-0}" == 1 ]]; then
-  echo "burst: a rollout replica beside the trainer: ${BURST_ROLLOUT_MEMORY_SHARE} of the card; the trainer keeps ${BURST_TRAINER_GB} GiB"
+  echo "burst: a rollout replica beside the trainer: ${BURST_ROLLOUT_MEMORY_SHARE} of the card; the trainer keeps ${BURST_TRAINER_GB} GB"
   BURSTRL_REPLICA="${BURST_ROLLOUT_REPLICA:-burst-$(hostname)-rollout}" \
     BURSTRL_PORT="${BURST_ROLLOUT_PORT:-8701}" \
     BURSTRL_ROLLOUT_GPU_MEMORY_UTILIZATION="$BURST_ROLLOUT_MEMORY_SHARE" \

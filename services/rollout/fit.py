@@ -24,7 +24,8 @@ from pathlib import Path
 from services.rollout.settings import RolloutSettings
 from shared.engines.vllm_setup import CPU_KVCACHE_GIB
 
-GIB = 1024**3
+GB = 1e9  # decimal, as `burstrl plan` counts (services/plan/memory.py)
+GIB = 1024**3  # VLLM_CPU_KVCACHE_SPACE is in GiB
 
 
 @dataclass(frozen=True)
@@ -88,16 +89,16 @@ def check_fit(s: RolloutSettings, card: Card) -> str:
         need = int(s.gpu_memory_utilization * card.total)
         what = f"gpu_memory_utilization {s.gpu_memory_utilization:g} of the card"
         lower = "BURSTRL_ROLLOUT_GPU_MEMORY_UTILIZATION, as `burstrl plan` sizes it"
-    beside = card.total - int(reserve * GIB)  # what the trainer's peak leaves
+    beside = card.total - int(reserve * GB)  # what the trainer's peak leaves
     room = min(beside, card.free)
     measured = (
-        f"{card.device}: {card.total / GIB:.1f} GiB total, {card.free / GIB:.1f} GiB free now; the trainer's "
-        f"reserve (BURSTRL_ROLLOUT_TRAINER_RESERVE_GB={reserve:g}) leaves {max(0, beside) / GIB:.1f} GiB"
+        f"{card.device}: {card.total / GB:.1f} GB total, {card.free / GB:.1f} GB free now; the trainer's "
+        f"reserve (BURSTRL_ROLLOUT_TRAINER_RESERVE_GB={reserve:g}) leaves {max(0, beside) / GB:.1f} GB"
     )
     if need > room:
         raise DoesNotFit(
-            f"rollout refuses to start beside the trainer: it needs {need / GIB:.1f} GiB ({what}), but only "
-            f"{max(0, room) / GIB:.1f} GiB are left for it ({measured}). Lower its share ({lower}) "
+            f"rollout refuses to start beside the trainer: it needs {need / GB:.1f} GB ({what}), but only "
+            f"{max(0, room) / GB:.1f} GB are left for it ({measured}). Lower its share ({lower}) "
             "or run the burst without a replica"
         )
-    return f"fits beside the trainer: needs {need / GIB:.1f} GiB ({what}) of {room / GIB:.1f} GiB ({measured})"
+    return f"fits beside the trainer: needs {need / GB:.1f} GB ({what}) of {room / GB:.1f} GB ({measured})"

