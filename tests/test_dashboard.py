@@ -20,7 +20,7 @@ from shared import keys
 from shared.lease import Lease
 from shared.metrics import record_eval, record_point
 from shared.policy import advance_pointer
-from shared.schema import Heartbeat, encode_heartbeat
+from shared.schema import Heartbeat, encode_heartbeat, encode_point
 
 TOKEN = "dashboard-test-token-0123456789"
 CHROMIUM = os.environ.get("BURSTRL_CHROMIUM", "/usr/bin/chromium")
@@ -178,3 +178,85 @@ def test_dashboard_json_lists_queues_and_adoption(stack, r):
         job = next(j for j in ov["jobs"] if j["id"] == job_id)
     assert job["queues"]["prompts"] == {"length": 16, "pending": 0, "lag": 16}
     assert job["ledger"]["in_flight"] == 16
+
+
+def _at(r, job_id: str, at: float, source: str, values: dict) -> None:
+    """A metric point as if recorded at `at` (record_point stamps now): bursts hours apart."""
+    r.xadd(keys.metrics(job_id), {b"m": encode_point(source, at, values)})
+
+
+def _seed_sessions(r, job_id: str) -> list[int]:
+    """Two bursts that ended and one in progress, as the trainer records them (step_report.Session),
+    one after the other: each starts up for 60 s, trains, and the next comes 20 minutes later."""
+    from services.trainer.step_report import Session
+
+    t0 = time.time() - 3 * 1800
+    epochs = []
+    for i, (lags, end) in enumerate([([0, 1], True), ([7, 7, 9], True), ([1], False)]):
+        lease = Lease(r, job_id, f"h200-{i}", 60)
+        assert lease.acquire()
+        epochs.append(lease.epoch)
+        start = t0 + 1800 * i
+        s = Session(process_start=start, epoch=lease.epoch, replica=f"h200-{i}", step=i * 3)
+        s.claimed_at = start + 60
+        _at(r, job_id, start + 60, "trainer_session", {**s.point("start"), "billable_s": 60.0})
+        for k, lag in enumerate(lags):
+            point = {"step": i * 3 + k + 1, "groups": 4, "staleness_mean": float(lag), "staleness_hist": {str(lag): 4}}
+            _at(r, job_id, start + 60 + 100 * (k + 1), "trainer", point)
+            s.trained(point)
+        if end:
+            billable = 60 + 100 * len(lags) + 30
+            ended = {**s.point("end", reason="time budget: 60 s left"), "billable_s": float(billable)}
+            _at(r, job_id, start + billable, "trainer_session", ended)
+            lease.release()
+    return epochs
+
+
+def test_dashboard_draws_the_burst_timeline(stack, r, tmp_path):
+    _require_browser()
+    from playwright.sync_api import expect, sync_playwright
+
+    base, _ = stack
+    job_id = _seed_job(base, r)
+    epochs = _seed_sessions(r, job_id)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1600})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(f"{base}/dashboard")
+            page.fill("#token", TOKEN)
+            page.click("#login button[type=submit]")
+            rows = page.locator("#bursts tbody tr[data-epoch]")
+            expect(rows).to_have_count(3, timeout=15_000)
+            first, second, now = (page.locator(f'#bursts tr[data-epoch="{e}"]') for e in epochs)
+            expect(first).to_have_attribute("data-status", "ended")
+            expect(first.locator("[data-steps]")).to_have_text("2")
+            expect(first.locator("[data-lag]")).to_have_text("0.50 / 1")
+            expect(second.locator("[data-lag]")).to_have_text("7.67 / 9")  # data many versions old
+            expect(second).to_contain_text("time budget")
+            expect(first.locator("[data-billable]")).to_have_text("290.0")  # start-up, 2 steps, checkpoint
+            expect(now).to_have_attribute("data-status", "training")
+            expect(now.locator("[data-steps]")).to_have_text("1")
+            # One bar per session on the time axis; the one in progress drawn as such.
+            bars = page.locator("#burst-timeline .burst")
+            expect(bars).to_have_count(3)
+            expect(page.locator(f'#burst-timeline .burst.training[data-epoch="{epochs[2]}"]')).to_have_count(1)
+            expect(page.locator("#burst-totals")).to_contain_text("3 sessions")
+            expect(page.locator("#burst-totals")).to_contain_text("6 steps")
+            lefts = [float(bars.nth(i).evaluate("b => parseFloat(b.style.left)")) for i in range(3)]
+            assert lefts == sorted(lefts) and lefts[0] == 0
+
+            # The session ends: its end point arrives through the metrics cursor and the row follows.
+            from services.trainer.step_report import Session
+
+            s = Session(process_start=time.time() - 1800 + 120, epoch=epochs[2], replica="h200-2", step=6)
+            s.trained({"groups": 4, "staleness_mean": 1.0, "staleness_hist": {"1": 4}})
+            record_point(r, job_id, "trainer_session", s.point("end", reason="the job completed"))
+            expect(now).to_have_attribute("data-status", "ended", timeout=15_000)
+            expect(now).to_contain_text("the job completed")
+            page.screenshot(path=str(tmp_path / "bursts.png"), full_page=True)
+            assert not errors, errors
+        finally:
+            browser.close()
