@@ -59,14 +59,15 @@ def engine_context(s: RolloutSettings, engine: Engine) -> int:
 def main() -> None:
     setup_logging("rollout")
     settings = RolloutSettings()
-    # A burst-side replica: refuse before anything loads when it cannot fit beside the trainer.
-    from services.rollout.fit import DoesNotFit, check_fit, measure
+    if settings.trainer_reserve_gb is not None:
+        # A burst-side replica: refuse before anything loads when it cannot fit beside the trainer.
+        from services.rollout.fit import DoesNotFit, check_fit, measure
 
-    try:
-        log.info("memory: %s", check_fit(settings, measure()))
-    except DoesNotFit as e:
-        log.critical("%s", e)
-        raise SystemExit(2) from e
+        try:
+            log.info("memory: %s", check_fit(settings, measure()))
+        except DoesNotFit as e:
+            log.critical("%s", e)
+            raise SystemExit(2) from e
     rt = ServiceRuntime("rollout", settings)
     rt.start()
     # An unknown model path or an unreachable remote engine keeps the service up and
