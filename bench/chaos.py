@@ -490,9 +490,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-baseline", action="store_true", help="Skip the fault-free run of the same job.")
     ap.add_argument("--out", type=Path, default=None, help="Markdown report here (and .json beside it).")
+    ap.add_argument("--model", default=None, help="Model dir (default: the demo's tiny model, built if missing).")
     a = ap.parse_args()
     cmd = " ".join([".venv/bin/python bench/chaos.py", *sys.argv[1:]])
-    res = run_chaos(a.steps, a.kills, a.outage_s, a.seed, not a.no_baseline)
+    res = run_chaos(a.steps, a.kills, a.outage_s, a.seed, not a.no_baseline, **({"model": a.model} if a.model else {}))
     text = report(res, cmd)
     print(text)
     if a.out:

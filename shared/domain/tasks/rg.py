@@ -10,7 +10,7 @@ datasets. Here each one becomes a task:
 - split: an item is held out iff a hash of (dataset, question text) falls below
   `heldout_fraction`, whatever the seed; train items come from a stream seeded by the job's
   seed and skip held-out questions, held-out items from a fixed seed. So train and held-out
-  never share a question text, however small the problem space (tests/test_rg.py).
+  never share a question text, however small the problem space (tests/integration/test_rg.py).
 - reward: the dataset's own `score_answer` on the extracted answer, as part "correct" in
   [0, 1] (some datasets give partial credit). The entry travels as JSON in the prompt's
   fields (`rg_entry`, tuples tagged so that they come back as tuples), so the reward service rebuilds it from plain data in its scoring
@@ -46,7 +46,7 @@ from shared.domain.tasks.base import TaskItem, register_task_family
 
 PREFIX = "rg:"
 # Our own options, beside the dataset's config fields (no reasoning-gym config has these names:
-# tests/test_rg.py checks).
+# tests/integration/test_rg.py checks).
 ANSWER_FORMATS = ("tag", "raw")
 OWN_OPTIONS = {"answer_format": "tag", "heldout_fraction": 0.1}
 RESERVED = ("seed", "size")  # set by the split, never by the job
