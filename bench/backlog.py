@@ -22,6 +22,9 @@ and how fast a returning trainer sees its first batch.
 
     .venv/bin/python bench/backlog.py [--only idle,throughput,first] [--cycles 3] [--cycle-s 80]
         [--rounds 3] [--out docs/bench/backlog.md]
+
+Over ~400 lines: the idle, spill/restore and first-batch measurements share one stack and one
+report.
 """
 
 from __future__ import annotations

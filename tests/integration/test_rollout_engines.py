@@ -5,6 +5,8 @@ weight versions (in-process: the engine restarts on them; remote: refused).
 In-process: vllm.LLM in this process. Remote: `python -m vllm.entrypoints.openai.api_server`
 started here with runtime LoRA updating on. One engine at a time (the classes' fixtures
 are torn down before the next starts): vLLM engines are heavy on a small machine.
+
+Over ~400 lines: each engine-interface case runs against both engines (in-process and remote).
 """
 
 from __future__ import annotations

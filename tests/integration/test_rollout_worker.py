@@ -1,6 +1,10 @@
 """The rollout worker's version logic with a fake engine (fast): drain-then-unload, the
 adapter cap, refusals, replicas sharing a consumer group, engine outages, pass@k, and
-full-weight versions (a pool of their own; refused by engines that cannot load them)."""
+full-weight versions (a pool of their own; refused by engines that cannot load them).
+
+Over ~400 lines: the worker's contract (adoption, refusal, generation, eval, recovery) against one
+real Redis and store fixture set.
+"""
 
 from __future__ import annotations
 

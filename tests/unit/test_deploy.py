@@ -14,6 +14,9 @@
 - configs/: each example is a valid JobSpec plus valid service settings, and its numbers are what the
   `burstrl plan` command it cites prints.
 Environment variable names anywhere here must be ones the code reads (or are listed in PENDING).
+
+Over ~400 lines: one offline validator per deployment surface (compose, docker, k8s,
+grafana), sharing the interpolation and schema helpers at the top.
 """
 
 from __future__ import annotations
