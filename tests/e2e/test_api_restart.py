@@ -26,6 +26,7 @@ from shared.bus import FIELD
 from shared.domain.tasks import task_for_job
 from shared.job import JobSpec
 from shared.schema import PromptMsg, decode
+from tests.support.stack import service_env
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "restart-test-token-0123456789"
@@ -54,13 +55,12 @@ def api(r, redis_server, home):
     """Start/kill/restart the api as a real process under <home>/run, as `burstrl up` does."""
     launcher = Launcher(home / "run")
     port = free_port()
-    env = {
-        "REDIS_URL": redis_server.url,
-        "STORE_URL": f"file://{home / 'store'}",
-        "BURSTRL_TOKEN": TOKEN,
-        "BURSTRL_DEV": "0",
-        "BURSTRL_API_FEED_INTERVAL_S": "0.1",
-    }
+    env = service_env(
+        redis_server.url,
+        home,
+        TOKEN,
+        BURSTRL_API_FEED_INTERVAL_S="0.1",
+    )
 
     def start() -> int:
         p = launcher.start_service("api", env, port=port)

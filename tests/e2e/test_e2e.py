@@ -16,7 +16,7 @@ import pytest
 
 from shared.ledger import audit
 from tests.support.servers import make_bucket
-from tests.support.stack import service_stack, wait_for
+from tests.support.stack import readyz, service_stack, wait_for
 
 ROLES = ["api", "reward", "ref", "rollout", "trainer"]
 JOB = {
@@ -31,14 +31,6 @@ JOB = {
     "eval_size": 64,
     "sampling": {"temperature": 1.0, "max_tokens": 6},
 }
-
-
-def _ready(port: int) -> tuple[int, dict]:
-    try:
-        resp = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=3)
-        return resp.status_code, resp.json()
-    except httpx.HTTPError:
-        return 0, {}
 
 
 @pytest.mark.slow
@@ -57,17 +49,17 @@ def test_grpo_loop_survives_kills_and_learns(tmp_path, tiny_model, s3_endpoint):
         os.kill(launcher.procs()["reward"].pid, signal.SIGKILL)
         time.sleep(2)
         for role in ("api", "rollout", "trainer", "ref"):
-            assert _ready(ports[role])[0] == 200, f"{role} should stay up when reward dies"
+            assert readyz(ports[role])[0] == 200, f"{role} should stay up when reward dies"
         launcher.start_service("reward", stack.env, port=ports["reward"])
 
         # kill -9 Redis: services report not-ready with the reason, then recover.
         srv.kill()
         code, body = wait_for(
-            lambda: (lambda c: c if c[0] == 503 else None)(_ready(ports["rollout"])), 60, "rollout not-ready", launcher
+            lambda: (lambda c: c if c[0] == 503 else None)(readyz(ports["rollout"])), 60, "rollout not-ready", launcher
         )
         assert "redis" in body["checks"] and not body["checks"]["redis"]["ok"]
         srv.start()
-        wait_for(lambda: all(_ready(p)[0] == 200 for p in ports.values()), 120, "recovery", launcher)
+        wait_for(lambda: all(readyz(p)[0] == 200 for p in ports.values()), 120, "recovery", launcher)
 
         final = wait_for(
             lambda: (

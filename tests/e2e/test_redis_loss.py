@@ -15,7 +15,7 @@ import redis
 
 from shared.dataset import DatasetGuard, new_dataset
 from shared.ledger import UnknownJob, audit
-from tests.support.stack import service_stack, wait_for
+from tests.support.stack import readyz, service_stack, wait_for
 
 ROLES = ["api", "reward", "rollout", "trainer"]
 JOB = {
@@ -28,14 +28,6 @@ JOB = {
     "eval_size": 0,
     "sampling": {"temperature": 1.0, "max_tokens": 6},
 }
-
-
-def _ready(port: int) -> tuple[int, dict]:
-    try:
-        resp = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=3)
-        return resp.status_code, resp.json()
-    except httpx.HTTPError:
-        return 0, {}
 
 
 def test_audit_refuses_a_job_it_does_not_know(r: redis.Redis) -> None:
@@ -73,7 +65,7 @@ def test_redis_replaced_by_an_empty_instance_is_loud_and_recoverable(tmp_path, t
         srv.start()
 
         def all_loud() -> bool:
-            got = [_ready(p) for p in ports.values()]
+            got = [readyz(p) for p in ports.values()]
             return all(code == 503 and "lost its data" in body["checks"]["redis"]["reason"] for code, body in got)
 
         wait_for(all_loud, 60, "every service not ready with the reason", stack.launcher)
@@ -86,7 +78,7 @@ def test_redis_replaced_by_an_empty_instance_is_loud_and_recoverable(tmp_path, t
 
         got = httpx.post(f"{api}/v1/orphans/recover", timeout=60).json()
         assert got["recovered"] == [job_id]
-        wait_for(lambda: all(_ready(p)[0] == 200 for p in ports.values()), 60, "services ready again", stack.launcher)
+        wait_for(lambda: all(readyz(p)[0] == 200 for p in ports.values()), 60, "services ready again", stack.launcher)
         final = wait_for(
             lambda: (lambda s: s if s["job"]["state"] == "completed" else None)(status()),
             400,

@@ -19,6 +19,7 @@ from services.cli.launch import Launcher, free_port
 from shared import keys
 from shared.bus import FIELD
 from shared.schema import Completion, GroupMsg, PromptMsg, decode, encode, pack_f32, pack_i32, pack_u8
+from tests.support.stack import service_env
 
 TOKEN = "rg-reward-test-token-0123456789"
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
@@ -42,13 +43,12 @@ pytestmark = pytest.mark.slow  # two services and seven jobs: minutes on a busy 
 @pytest.fixture
 def stack(r, redis_server, tmp_path) -> Iterator[str]:
     launcher = Launcher(tmp_path / "run")
-    env = {
-        "REDIS_URL": redis_server.url,
-        "STORE_URL": f"file://{tmp_path / 'store'}",
-        "BURSTRL_TOKEN": TOKEN,
-        "BURSTRL_DEV": "0",
-        "BURSTRL_REWARD_WORKERS": "2",  # scoring in spawned processes: entries cross as JSON
-    }
+    env = service_env(
+        redis_server.url,
+        tmp_path,
+        TOKEN,
+        BURSTRL_REWARD_WORKERS="2",  # scoring in spawned processes: entries cross as JSON
+    )
     api_port = free_port()
     launcher.start_service("api", env, port=api_port)
     launcher.start_service("reward", env, port=free_port())

@@ -3,22 +3,18 @@
 import pytest
 from fastapi.testclient import TestClient
 
-from services.api.app import build_routes
 from services.api.feeder import Feeder
 from services.api.settings import ApiSettings
 from shared import keys
 from shared.metrics import read_ledger
-from shared.service import ServiceRuntime
+from tests.support.api import api_client
 
 TOKEN = "s3cr3t-token-for-tests-0123"
 
 
 @pytest.fixture
 def client(r, redis_server):
-    rt = ServiceRuntime("api", ApiSettings(redis_url=redis_server.url, token=TOKEN))
-    build_routes(rt)
-    with TestClient(rt.app) as c:
-        c.headers["Authorization"] = f"Bearer {TOKEN}"
+    with api_client(redis_server.url, TOKEN) as c:
         yield c
 
 

@@ -14,14 +14,13 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from services.api.app import build_routes
-from services.api.settings import ApiSettings
 from shared import keys
 from shared.lease import Lease
 from shared.metrics import record_eval, record_point
 from shared.schema import Heartbeat, encode_heartbeat
-from shared.service import ServiceRuntime
 from shared.store import open_store
+from tests.support.api import api_client
+from tests.support.api import served as serve
 
 TOKEN = "jobs-test-token-0123456789ab"
 
@@ -33,10 +32,7 @@ def store_url(tmp_path) -> str:
 
 @pytest.fixture
 def client(r, redis_server, store_url):
-    rt = ServiceRuntime("api", ApiSettings(redis_url=redis_server.url, token=TOKEN, store_url=store_url))
-    build_routes(rt, open_store(store_url))
-    with TestClient(rt.app) as c:
-        c.headers["Authorization"] = f"Bearer {TOKEN}"
+    with api_client(redis_server.url, TOKEN, store_url) as c:
         yield c
 
 
@@ -228,21 +224,9 @@ def test_unchecked_context_and_truncation_show_as_warnings(client, r):
 # -- `burstrl submit --follow` (item 18) ------------------------------------------------------
 @pytest.fixture
 def served(client):
-    import uvicorn
-
-    from services.cli.launch import free_port
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(client.app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not server.started:
-        assert time.time() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    """The same app on a real uvicorn server on a free port (the api's own HTTP stack)."""
+    with serve(client.app) as url:
+        yield url
 
 
 def test_follow_returns_when_a_job_without_evaluations_completes(client, r, served):

@@ -16,6 +16,8 @@ import pytest
 
 from shared.job import JobSpec
 from shared.limits import SEED_MAX
+from tests.support.api import api_client
+from tests.support.api import served as serve
 
 
 def _walk(schema: dict[str, Any], defs: dict[str, Any], path: str, seen: set[str]) -> list[str]:
@@ -94,16 +96,7 @@ def test_non_finite_numbers_are_refused_everywhere(where, literal):
 # -- over HTTP ---------------------------------------------------------------------------
 @pytest.fixture
 def client(r, redis_server):
-    from fastapi.testclient import TestClient
-
-    from services.api.app import build_routes
-    from services.api.settings import ApiSettings
-    from shared.service import ServiceRuntime
-
-    rt = ServiceRuntime("api", ApiSettings(redis_url=redis_server.url, token=TOKEN))
-    build_routes(rt)
-    with TestClient(rt.app) as c:
-        c.headers["Authorization"] = f"Bearer {TOKEN}"
+    with api_client(redis_server.url, TOKEN) as c:
         yield c
 
 
@@ -207,24 +200,8 @@ def test_streamed_body_over_the_limit_is_refused(client):
 @pytest.fixture
 def served(client):
     """The same app on a real uvicorn server on a free port (the api's own HTTP stack)."""
-    import threading
-    import time
-
-    import uvicorn
-
-    from services.cli.launch import free_port
-
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(client.app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not server.started:
-        assert time.time() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with serve(client.app) as url:
+        yield url
 
 
 def test_healthz_answers_while_a_10mb_body_is_refused(served):

@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from safetensors.torch import load
@@ -43,8 +40,9 @@ from shared.metrics import read_ledger
 from shared.segments import stored_segments
 from shared.store import FileStore, open_store
 from tests.support.backlog import Drain, group, new_job, push_ready, roll, runtime, spec, spiller
+from tests.support.proxy import TcpProxy
 from tests.support.servers import RedisServer, make_bucket
-from tests.support.stack import wait_for
+from tests.support.stack import readyz, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,7 +121,7 @@ def _balanced(r, job_id: str) -> None:
 
 
 def _readyz(port: int) -> dict:
-    return httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5).json()
+    return readyz(port)[1]
 
 
 # -- rollout killed in the middle of a spill ------------------------------------------
@@ -260,66 +258,10 @@ def test_trainer_killed_mid_segment_trains_each_group_once(r, redis_server, tmp_
 
 
 # -- a store outage during spills -------------------------------------------------------
-class TcpProxy:
-    """A loopback TCP proxy in front of the S3 server that the test can cut and restore."""
-
-    def __init__(self, upstream: int) -> None:
-        self.upstream, self.port = upstream, free_port()
-        self._conns: list[socket.socket] = []
-        self._srv: socket.socket | None = None
-
-    def start(self) -> None:
-        self._srv = socket.create_server(("127.0.0.1", self.port))
-        threading.Thread(target=self._accept, args=(self._srv,), daemon=True).start()
-
-    def _accept(self, srv: socket.socket) -> None:
-        while True:
-            try:
-                client, _ = srv.accept()
-            except OSError:
-                return
-            up = socket.create_connection(("127.0.0.1", self.upstream))
-            self._conns += [client, up]
-            for a, b in ((client, up), (up, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(a: socket.socket, b: socket.socket) -> None:
-        try:
-            while data := a.recv(65536):
-                b.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (a, b):
-                try:
-                    s.close()
-                except OSError:
-                    pass
-
-    def cut(self) -> None:
-        if self._srv is not None:
-            # shutdown first: a bare close() leaves the thread blocked in accept() holding the
-            # listening socket, which then takes one more connection through.
-            try:
-                self._srv.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._srv.close()
-            self._srv = None
-        for c in self._conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-                c.close()
-            except OSError:
-                pass
-        self._conns = []
-
-
 def test_a_store_outage_pauses_spilling_says_so_and_loses_nothing(r, redis_server, s3_endpoint, tmp_path, procs):
     make_bucket(s3_endpoint, "bl-outage")
     proxy = TcpProxy(int(s3_endpoint.rsplit(":", 1)[1]))
-    proxy.start()
+    proxy.up()
     store_url = "s3://bl-outage/backlog"
     rec = new_job(r, spec())
     push_ready(r, rec.id, [group(rec.id, i) for i in range(24)])
@@ -331,7 +273,7 @@ def test_a_store_outage_pauses_spilling_says_so_and_loses_nothing(r, redis_serve
         {**env, "STORE_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"},
     )
     wait_for(lambda: procs.alive("s") and read_ledger(r, rec.id).get("spilled") == 16, 120, "the first spills")
-    proxy.cut()
+    proxy.down()
     push_ready(r, rec.id, [group(rec.id, i) for i in range(24, 40)])
     check = wait_for(
         lambda: procs.alive("s") and (c := _readyz(port)["checks"].get("spill")) and not c["ok"] and c,
@@ -344,7 +286,7 @@ def test_a_store_outage_pauses_spilling_says_so_and_loses_nothing(r, redis_serve
     assert "spilling paused" in procs.log("s")
     assert read_ledger(r, rec.id)["spilled"] == 16
     _balanced(r, rec.id)  # the entries it could not spill wait, pending, in Redis
-    proxy.start()
+    proxy.up()
     wait_for(
         lambda: (
             procs.alive("s") and read_ledger(r, rec.id).get("spilled") == 32 and _readyz(port)["checks"]["spill"]["ok"]
@@ -449,14 +391,14 @@ def test_a_store_the_trainer_cannot_reach_leaves_it_training_the_hot_stream(r, r
     push_ready(r, rec.id, [group(rec.id, i) for i in range(40)])
     assert spiller(runtime(redis_server.url), store).tick() == 32
     proxy = TcpProxy(int(s3_endpoint.rsplit(":", 1)[1]))
-    proxy.start()
+    proxy.up()
     monkeypatch.setenv("STORE_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
     behind_proxy = open_store("s3://bl-readout/backlog")  # the trainer's view of the store
-    proxy.cut()
+    proxy.down()
     d = Drain(r, behind_proxy, rec)
     hot = d.all(8, timeout=120)
     assert sorted(hot) == sorted(f"{rec.id}:g{i}" for i in range(32, 40))  # oldest first, but the store is away
-    proxy.start()
+    proxy.up()
     got = d.all(40, timeout=120)
     d.close()
     assert len(got) == 40 and sorted(got) == _ids(rec.id, 40)

@@ -22,6 +22,7 @@ from shared.domain.envs import python_tool as pt
 from shared.domain.envs.python_tool import PythonEnv, ToolSettings
 from shared.domain.sandbox import Limits, check_isolation, run_program
 from shared.domain.tasks import get_task
+from tests.support.stack import service_env
 
 ok, why = check_isolation()
 pytestmark = pytest.mark.skipif(not ok, reason=f"sandbox unavailable here: {why}")
@@ -68,15 +69,14 @@ def reward_url(redis_server, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     home: Path = tmp_path_factory.mktemp("reward")
     launcher = Launcher(home / "run")
     port = free_port()
-    env = {
-        "REDIS_URL": redis_server.url,
-        "STORE_URL": f"file://{home / 'store'}",
-        "BURSTRL_TOKEN": TOKEN,
-        "BURSTRL_DEV": "0",
-        "BURSTRL_REWARD_WORKERS": "0",  # no scoring processes: this test only calls the tool
-        "BURSTRL_REWARD_TOOL_MAX_TIMEOUT_S": "5",
-        "BURSTRL_REWARD_TOOL_CONCURRENCY": "1",  # so the concurrency test sees runs queue
-    }
+    env = service_env(
+        redis_server.url,
+        home,
+        TOKEN,
+        BURSTRL_REWARD_WORKERS="0",  # no scoring processes: this test only calls the tool
+        BURSTRL_REWARD_TOOL_MAX_TIMEOUT_S="5",
+        BURSTRL_REWARD_TOOL_CONCURRENCY="1",  # so the concurrency test sees runs queue
+    )
     launcher.start_service("reward", env, port=port)
     try:
         launcher.wait_ready(["reward"], timeout=60)

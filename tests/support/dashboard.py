@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from services.cli.launch import Launcher, free_port
+from tests.support.stack import service_env
 
 TOKEN = "dashboard-test-token-0123456789"
 CHROMIUM = os.environ.get("BURSTRL_CHROMIUM", "/usr/bin/chromium")
@@ -34,13 +35,12 @@ def require_browser() -> None:
 def stack(r, redis_server, tmp_path) -> Iterator[tuple[str, Launcher]]:
     """The api and reward services as real processes on free ports, stopped by pid."""
     launcher = Launcher(tmp_path / "run")
-    env = {
-        "REDIS_URL": redis_server.url,
-        "STORE_URL": f"file://{tmp_path / 'store'}",
-        "BURSTRL_TOKEN": TOKEN,
-        "BURSTRL_DEV": "0",
-        "BURSTRL_HEARTBEAT_S": "0.5",
-    }
+    env = service_env(
+        redis_server.url,
+        tmp_path,
+        TOKEN,
+        BURSTRL_HEARTBEAT_S="0.5",
+    )
     api_port = free_port()
     launcher.start_service("api", env, port=api_port)
     launcher.start_service("reward", env, port=free_port())

@@ -9,6 +9,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+
 from services.cli.launch import Launcher, free_port
 from services.cli.stack import stack_env
 from tests.support.servers import RedisServer
@@ -26,6 +28,27 @@ def wait_for(pred, timeout: float, what: str, launcher=None, poll_s: float = 0.5
         time.sleep(poll_s)
     logs = "\n".join(f"--- {n}\n{tail(p.log, 15)}" for n, p in launcher.procs().items()) if launcher else ""
     raise AssertionError(f"timed out waiting for {what}\n{logs}")
+
+
+def service_env(redis_url: str, home: Path, token: str, **extra: str) -> dict[str, str]:
+    """The environment a service started by a test gets: Redis, a file:// store under `home`, a
+    real token, production mode (BURSTRL_DEV=0); `extra` on top."""
+    return {
+        "REDIS_URL": redis_url,
+        "STORE_URL": f"file://{home / 'store'}",
+        "BURSTRL_TOKEN": token,
+        "BURSTRL_DEV": "0",
+        **extra,
+    }
+
+
+def readyz(port: int) -> tuple[int, dict]:
+    """A service's /readyz: (status, body), or (0, {}) while it does not answer."""
+    try:
+        resp = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=3)
+        return resp.status_code, resp.json()
+    except httpx.HTTPError:
+        return 0, {}
 
 
 @dataclass
