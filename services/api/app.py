@@ -24,7 +24,7 @@ from shared.store import ObjectStore
 STATIC = Path(__file__).resolve().parent / "static"
 # Paths served without a token: liveness/readiness/Prometheus (scrapers and probes carry
 # no secrets) and the dashboard's static files (the page holds no data; every JSON
-# endpoint it calls stays authenticated). tests/test_api_fuzz.py checks every other route.
+# endpoint it calls stays authenticated). tests/integration/test_api_fuzz.py checks every other route.
 PUBLIC_PATHS = {"/healthz", "/readyz", "/metrics", "/", "/dashboard", "/dashboard/static"}
 # A Redis stream id, the cursor of /v1/jobs/{id}/metrics?after=...
 STREAM_ID = r"^\d{1,20}-\d{1,20}$"
