@@ -6,7 +6,8 @@ bus's Python reads in one sitting.
 - ACK_LUA / FENCED_ACK_LUA: acknowledge a batch with one count each (fenced: only the
   lease holder, docs/architecture.md invariant 10);
 - SPILL_LUA: move entries from the ready stream into an indexed backlog segment, all or nothing;
-- TRIM_LUA: delete what every consumer group has acknowledged.
+- TRIM_LUA: delete what every consumer group has acknowledged;
+- INJECT_LUA: put a group that no upstream entry carries (an agent's) on the bus, once.
 """
 
 from __future__ import annotations
@@ -124,4 +125,21 @@ for _, g in ipairs(groups) do
 end
 local minid = string.format('%d-%d', best_ms, best_seq)
 return {redis.call('XTRIM', KEYS[1], 'MINID', minid), minid}
+"""
+
+
+# A group born outside the streams (an agent group, docs/agents.md) enters the ledger once.
+# KEYS: the job's agent_groups hash, ledger, then the output streams. ARGV: field, group id,
+# outcome, n_outputs, payloads..., n_counters, (name, n)... Returns 1 if done now; 0 if the
+# group id already has an outcome (nothing added or counted).
+INJECT_LUA = """
+if redis.call('HSETNX', KEYS[1], ARGV[2], ARGV[3]) == 0 then return 0 end
+local nout = tonumber(ARGV[4])
+for j = 1, nout do redis.call('XADD', KEYS[2 + j], '*', ARGV[1], ARGV[4 + j]) end
+local i = 5 + nout
+for _ = 1, tonumber(ARGV[i]) do
+  redis.call('HINCRBY', KEYS[2], ARGV[i + 1], tonumber(ARGV[i + 2]))
+  i = i + 2
+end
+return 1
 """

@@ -84,6 +84,9 @@ def main() -> None:
 
     store = open_store(settings.store_url)
     worker = RolloutWorker(rt, settings, engine, store)
+    from services.rollout import agent_routes
+
+    agent_routes.install(rt, worker.agents)  # the OpenAI-compatible endpoint (docs/agents.md)
     # Beside the engine loop: moves the ready groups of backlog jobs beyond their hot window to the store.
     Spiller(rt, store, replica=settings.replica, model=settings.model, claim_idle_s=settings.claim_idle_s).start()
     try:
