@@ -17,6 +17,7 @@ naming the field).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
@@ -192,12 +193,25 @@ def _checked_sampling(req: _Sampling, server: AgentServer, job_id: str) -> None:
         raise AgentError(422, f"top_p: {req.top_p} is not the job's sampling.top_p {spec.top_p} (leave it out)")
 
 
-def install(rt: ServiceRuntime, server: AgentServer) -> None:
+def install(rt: ServiceRuntime, agents: Callable[[], AgentServer | None]) -> None:
+    """The routes, from the service's start; `agents()` is None until the engine is up (503 meanwhile)."""
     router = APIRouter(prefix="/v1/jobs/{job_id}", dependencies=[rt.auth], tags=["agents"])
 
-    async def call(fn: Any, *args: Any) -> Any:
+    async def call(name: str, *args: Any) -> Any:
+        """`AgentServer.<name>(*args)` in a worker thread (it may wait for the engine); its refusals as HTTP."""
+        srv = agents()
         try:
-            return await run_in_threadpool(fn, *args)
+            if srv is None:
+                raise AgentError(503, "rollout's engine is starting (see /readyz); try again")
+            return await run_in_threadpool(getattr(srv, name), *args)
+        except AgentError as e:
+            raise HTTPException(e.status, e.reason) from None
+
+    async def call_checked(req: _Sampling, job_id: str) -> None:
+        srv = agents()
+        try:
+            if srv is not None:
+                _checked_sampling(req, srv, job_id)
         except AgentError as e:
             raise HTTPException(e.status, e.reason) from None
 
@@ -205,7 +219,7 @@ def install(rt: ServiceRuntime, server: AgentServer) -> None:
     async def open_group(job_id: str, request: Request) -> dict[str, Any]:
         """Open a group of group_size episodes (one task, G attempts); each has its own base URL."""
         body = await _body(request, OpenGroup)
-        g = await call(server.open_group, job_id, body.fields)
+        g = await call("open_group", job_id, body.fields)
         base = str(request.base_url).rstrip("/")
         return {
             "group": g.id,
@@ -218,18 +232,18 @@ def install(rt: ServiceRuntime, server: AgentServer) -> None:
     @router.post("/episodes/{episode_id}/openai/v1/chat/completions")
     async def chat(job_id: str, episode_id: str, request: Request) -> dict[str, Any]:
         req = await _body(request, ChatRequest)
-        await call(_checked_sampling, req, server, job_id)
-        return await call(server.chat, job_id, episode_id, req.model_dump(exclude_none=True))
+        await call_checked(req, job_id)
+        return await call("chat", job_id, episode_id, req.model_dump(exclude_none=True))
 
     @router.post("/episodes/{episode_id}/openai/v1/completions")
     async def complete(job_id: str, episode_id: str, request: Request) -> dict[str, Any]:
         req = await _body(request, CompletionRequest)
-        await call(_checked_sampling, req, server, job_id)
-        return await call(server.complete, job_id, episode_id, req.model_dump(exclude_none=True))
+        await call_checked(req, job_id)
+        return await call("complete", job_id, episode_id, req.model_dump(exclude_none=True))
 
     @router.get("/episodes/{episode_id}/openai/v1/models")
     async def models(job_id: str, episode_id: str) -> dict[str, Any]:
-        await call(server.episode, job_id, episode_id)
+        await call("episode", job_id, episode_id)
         return {"object": "list", "data": [{"id": job_id, "object": "model", "owned_by": "burstrl"}]}
 
     @router.post("/episodes/{episode_id}/reward")
@@ -237,17 +251,17 @@ def install(rt: ServiceRuntime, server: AgentServer) -> None:
         """Close the episode with its reward; the group's last close puts the group on the bus."""
         body = await _body(request, Reward)
         parts = body.parts if body.parts is not None else {"agent": float(body.reward)}  # type: ignore[arg-type]
-        return await call(server.close, job_id, episode_id, "reward", parts, None)
+        return await call("close", job_id, episode_id, "reward", parts, None)
 
     @router.post("/episodes/{episode_id}/verify")
     async def verify(job_id: str, episode_id: str, request: Request) -> dict[str, Any]:
         """Close the episode for the job's verifiers (the reward service scores the group)."""
         body = await _body(request, Verify)
-        return await call(server.close, job_id, episode_id, "verify", {}, body.answer)
+        return await call("close", job_id, episode_id, "verify", {}, body.answer)
 
     @router.get("/episodes/{episode_id}")
     async def episode(job_id: str, episode_id: str) -> dict[str, Any]:
-        return await call(server.status, job_id, episode_id)
+        return await call("status", job_id, episode_id)
 
     app: FastAPI = rt.app
     app.include_router(router)
