@@ -180,7 +180,7 @@ def test_openai_agent_episodes_enter_the_stream_token_exact(tmp_path: Path, tiny
     with service_stack(
         tmp_path,
         tiny_model,
-        ["api", "rollout"],
+        ["api", "reward", "rollout"],
         env_extra={"BURSTRL_DEV": "1", "BURSTRL_TOKEN": TOKEN},
         store_url=f"file://{tmp_path / 'store'}",
     ) as stack:
@@ -214,9 +214,11 @@ def test_openai_agent_episodes_enter_the_stream_token_exact(tmp_path: Path, tiny
         ep0 = group["episodes"][0]
         client = openai.OpenAI(base_url=ep0["base_url"], api_key=TOKEN, max_retries=0)
         too_many = [{"role": "user", "content": "x"}] * (CHAT_MESSAGES_MAX + 1)
-        with pytest.raises(openai.UnprocessableEntityError, match="messages"):
+        with pytest.raises(
+            openai.UnprocessableEntityError, match=f"messages: List should have at most {CHAT_MESSAGES_MAX}"
+        ):
             client.chat.completions.create(model="p", messages=too_many)
-        with pytest.raises(openai.UnprocessableEntityError, match="temperature"):
+        with pytest.raises(openai.UnprocessableEntityError, match="temperature: 0.3 is not the job's"):
             client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}], temperature=0.3)
         huge = httpx.post(
             f"{ep0['base_url']}/chat/completions",
@@ -241,7 +243,13 @@ def test_openai_agent_episodes_enter_the_stream_token_exact(tmp_path: Path, tiny
                 assert b["prompt_token_ids"][: len(prefix)] == prefix
 
         # A rewritten history is refused, the episode's own history is not.
-        c0 = openai.OpenAI(base_url=ep0["base_url"], api_key=TOKEN, max_retries=0)
+        # (through the per-job base URL, the episode named by its header)
+        c0 = openai.OpenAI(
+            base_url=f"{rollout}/v1/jobs/{job}/openai/v1",
+            api_key=TOKEN,
+            max_retries=0,
+            default_headers={"X-Burstrl-Episode": ep0["id"]},
+        )
         with pytest.raises(openai.ConflictError, match="differs"):
             c0.chat.completions.create(
                 model="p",
@@ -250,6 +258,7 @@ def test_openai_agent_episodes_enter_the_stream_token_exact(tmp_path: Path, tiny
                     {"role": "user", "content": "What is 2+3?"},
                     {"role": "user", "content": "?"},
                 ],
+                tools=[CALC],
             )
 
         for e, rew in zip(group["episodes"], (1.0, 0.0), strict=True):
@@ -279,11 +288,27 @@ def test_openai_agent_episodes_enter_the_stream_token_exact(tmp_path: Path, tiny
             sampled_lps = [lp for r in records for lp in r["completion_logprobs"]]
             assert [lp for lp, m in zip(lps, mask, strict=True) if m] == pytest.approx(sampled_lps, abs=1e-6)
             assert c.reward == rew and len(unpack_i32(c.turn_starts)) == 3
-        a = audit(stack.redis.client(), job)
+        r = stack.redis.client()
+        a = audit(r, job)
         assert a.balanced and a.counters["fed"] == 1 and a.in_streams["ready"] == 1, a.problems
 
+        # Handed to the job's verifiers instead: the reward service scores the group (arith's
+        # exact match on the answer) and hands it to the trainer's stream.
+        gv = httpx.post(f"{rollout}/v1/jobs/{job}/groups", json={"fields": {"answer": "5"}}, headers=auth, timeout=30)
+        assert gv.status_code == 201, gv.text
+        for e, answer in zip(gv.json()["episodes"], ("5", " 7"), strict=True):
+            run_agent(e["base_url"], "What is 2+3?")
+            got = httpx.post(
+                f"{rollout}/v1/jobs/{job}/episodes/{e['id']}/verify", json={"answer": answer}, headers=auth, timeout=30
+            )
+            assert got.status_code == 200, got.text
+        wait_for(lambda: len(r.xrange(keys.ready(job))) == 2, 120, "the verified group scored", stack.launcher)
+        scored = decode(r.xrange(keys.ready(job))[1][1][b"m"], GroupMsg)
+        assert [c.reward for c in scored.completions] == [1.0, 0.0]
+        a = audit(r, job)
+        assert a.balanced and a.counters["fed"] == 2, a.problems
+
         # A group nobody closes is dropped at its deadline, with the reason the ledger counts.
-        r = stack.redis.client()
         short = httpx.post(
             f"{api}/v1/jobs",
             json={**spec, "name": "short", "agent": {"enabled": True, "deadline_s": 5}},

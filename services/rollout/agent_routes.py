@@ -3,6 +3,7 @@
     POST /v1/jobs/{job}/groups                                    open a group of G episodes
     POST /v1/jobs/{job}/episodes/{ep}/openai/v1/chat/completions  a chat turn (OpenAI shape)
     POST /v1/jobs/{job}/episodes/{ep}/openai/v1/completions       a completion turn
+    POST /v1/jobs/{job}/openai/v1/{chat/completions,completions}  the same, episode in X-Burstrl-Episode
     GET  /v1/jobs/{job}/episodes/{ep}/openai/v1/models            the model the episode runs on
     POST /v1/jobs/{job}/episodes/{ep}/reward                      close it with a reward
     POST /v1/jobs/{job}/episodes/{ep}/verify                      close it for the job's verifiers
@@ -20,8 +21,9 @@ import json
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, FastAPI, HTTPException, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from services.rollout.agents import AgentError, AgentServer
@@ -38,6 +40,8 @@ from shared.limits import (
     STOP_MAX_ITEMS,
 )
 from shared.service import ServiceRuntime
+
+EPISODE_HEADER = "X-Burstrl-Episode"
 
 Content = Annotated[str, StringConstraints(max_length=CHAT_CONTENT_MAX_CHARS)]
 Stop = Annotated[str, StringConstraints(max_length=STOP_MAX_CHARS)]
@@ -157,16 +161,18 @@ async def _body(request: Request, model: type[BaseModel]) -> Any:
     """The body, at most CHAT_BODY_MAX_BYTES (413 past it, before parsing), validated (422)."""
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > CHAT_BODY_MAX_BYTES):
-        raise HTTPException(413, f"request body larger than {CHAT_BODY_MAX_BYTES} bytes (limits: shared/limits.py)")
+        raise AgentError(413, f"request body larger than {CHAT_BODY_MAX_BYTES} bytes (limits: shared/limits.py)")
     data = b""
     async for chunk in request.stream():
         data += chunk
         if len(data) > CHAT_BODY_MAX_BYTES:
-            raise HTTPException(413, f"request body larger than {CHAT_BODY_MAX_BYTES} bytes (limits: shared/limits.py)")
+            raise AgentError(413, f"request body larger than {CHAT_BODY_MAX_BYTES} bytes (limits: shared/limits.py)")
     try:
         return model.model_validate_json(data or b"{}")
     except ValidationError as e:
-        raise HTTPException(422, _errors(e)) from None
+        errors = _errors(e)
+        why = "; ".join(f"{'.'.join(str(x) for x in err['loc'][1:])}: {err['msg']}" for err in errors)
+        raise AgentError(422, why, errors) from None
 
 
 def _errors(e: ValidationError) -> list[dict[str, Any]]:
@@ -200,20 +206,14 @@ def install(rt: ServiceRuntime, agents: Callable[[], AgentServer | None]) -> Non
     async def call(name: str, *args: Any) -> Any:
         """`AgentServer.<name>(*args)` in a worker thread (it may wait for the engine); its refusals as HTTP."""
         srv = agents()
-        try:
-            if srv is None:
-                raise AgentError(503, "rollout's engine is starting (see /readyz); try again")
-            return await run_in_threadpool(getattr(srv, name), *args)
-        except AgentError as e:
-            raise HTTPException(e.status, e.reason) from None
+        if srv is None:
+            raise AgentError(503, "rollout's engine is starting (see /readyz); try again")
+        return await run_in_threadpool(getattr(srv, name), *args)
 
     async def call_checked(req: _Sampling, job_id: str) -> None:
         srv = agents()
-        try:
-            if srv is not None:
-                _checked_sampling(req, srv, job_id)
-        except AgentError as e:
-            raise HTTPException(e.status, e.reason) from None
+        if srv is not None:
+            _checked_sampling(req, srv, job_id)
 
     @router.post("/groups", status_code=201)
     async def open_group(job_id: str, request: Request) -> dict[str, Any]:
@@ -241,6 +241,22 @@ def install(rt: ServiceRuntime, agents: Callable[[], AgentServer | None]) -> Non
         await call_checked(req, job_id)
         return await call("complete", job_id, episode_id, req.model_dump(exclude_none=True))
 
+    # The same turns on one base URL per job, the episode named by a header, for clients that
+    # share one client across episodes: openai.OpenAI(..., default_headers={EPISODE_HEADER: id}).
+    def _named(request: Request) -> str:
+        got = request.headers.get(EPISODE_HEADER, "")
+        if not got:
+            raise AgentError(422, f"header {EPISODE_HEADER}: required on /v1/jobs/{{job}}/openai/v1 (the episode id)")
+        return got
+
+    @router.post("/openai/v1/chat/completions")
+    async def chat_by_header(job_id: str, request: Request) -> dict[str, Any]:
+        return await chat(job_id, _named(request), request)
+
+    @router.post("/openai/v1/completions")
+    async def complete_by_header(job_id: str, request: Request) -> dict[str, Any]:
+        return await complete(job_id, _named(request), request)
+
     @router.get("/episodes/{episode_id}/openai/v1/models")
     async def models(job_id: str, episode_id: str) -> dict[str, Any]:
         await call("episode", job_id, episode_id)
@@ -265,3 +281,15 @@ def install(rt: ServiceRuntime, agents: Callable[[], AgentServer | None]) -> Non
 
     app: FastAPI = rt.app
     app.include_router(router)
+    app.add_exception_handler(AgentError, _refused)  # type: ignore[arg-type]
+
+
+async def _refused(_: Request, e: AgentError) -> JSONResponse:
+    """A refusal both ways: FastAPI's `detail` and OpenAI's `error.message`, so an `openai`
+    client's exception says why (it reads `error`)."""
+    kind = {401: "authentication_error", 404: "not_found_error", 409: "conflict_error", 413: "request_too_large"}
+    body = {
+        "detail": e.detail if e.detail is not None else e.reason,
+        "error": {"message": e.reason, "type": kind.get(e.status, "invalid_request_error"), "code": e.status},
+    }
+    return JSONResponse(body, status_code=e.status)

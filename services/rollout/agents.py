@@ -33,7 +33,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge
 
-from services.rollout.chat import ChatError, ChatTemplate, check_extends, normal, parse_tool_calls
+from services.rollout.chat import ChatError, ChatTemplate, HistoryMismatch, check_extends, normal, parse_tool_calls
 from services.rollout.engine import SamplingConfig
 from services.rollout.errors import EngineUnavailable, RequestFailed
 from services.rollout.served import Leases, ServedJob, ServedVersion, sampling_of
@@ -52,10 +52,11 @@ TURN_WAIT_S = 600.0  # a handler waits this long for its turn (an evaluation rou
 class AgentError(Exception):
     """A refused agent request: its HTTP status and the reason."""
 
-    def __init__(self, status: int, reason: str) -> None:
+    def __init__(self, status: int, reason: str, detail: object = None) -> None:
         super().__init__(reason)
         self.status = status
         self.reason = reason
+        self.detail = detail  # a structured detail (a 422's field errors), else the reason
 
 
 @dataclass
@@ -213,12 +214,14 @@ class AgentServer:
                     ep.tools = tools
                     new_ids, prompt = tpl.first_ids(msgs, tools), True
                 else:
+                    new = check_extends(ep.messages, msgs)
                     if tools != ep.tools:
                         raise AgentError(409, "tools: an episode's tools are fixed by its first call")
-                    new = check_extends(ep.messages, msgs)
                     new_ids, prompt = tpl.delta_ids(ep.messages, new, ep.last_generated, tools), False
+            except HistoryMismatch as e:
+                raise AgentError(409, str(e)) from None
             except ChatError as e:
-                raise AgentError(409 if "differs" in str(e) or "holds" in str(e) else 422, f"{e}") from None
+                raise AgentError(422, f"messages: {e}") from None
             turn = self._run(ep, view, new_ids, prompt, req)
             s = turn.sample
             cfg = turn.cfg

@@ -185,17 +185,17 @@ class ChatTemplate:
 def check_extends(held: Sequence[dict[str, Any]], given: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The messages of `given` after the episode's history `held` (HistoryMismatch if `given`
     does not start with it, or adds an assistant message of its own)."""
-    if len(given) <= len(held):
-        raise HistoryMismatch(
-            f"messages: {len(given)} messages, but this episode already holds {len(held)}; send its history "
-            "plus at least one new message"
-        )
     for i, (h, g) in enumerate(zip(held, given, strict=False)):
         if h != g:
             raise HistoryMismatch(
                 f"messages[{i}] differs from what this episode holds (role {h['role']!r}): the history may be "
                 "extended, not rewritten; start a new episode for another history"
             )
+    if len(given) <= len(held):
+        raise HistoryMismatch(
+            f"messages: {len(given)} messages, but this episode already holds {len(held)}; send its history "
+            "plus at least one new message"
+        )
     new = list(given[len(held) :])
     for j, m in enumerate(new):
         if m["role"] == "assistant":
