@@ -342,3 +342,60 @@ def test_openai_agent_episodes_enter_the_stream_token_exact(tmp_path: Path, tiny
 
         paused = wait_for(refused_paused, 60, "chat refused for a paused job", stack.launcher)
         assert "paused" in paused.text
+
+
+@pytest.mark.slow
+def test_agent_groups_train_and_later_groups_run_on_the_new_version(tmp_path: Path, tiny_model: Path) -> None:
+    """The trainer takes rewarded agent groups like any group; a group opened after it
+    published v1 runs on v1 (its turns and its GroupMsg say so), and the ledger balances."""
+    with service_stack(
+        tmp_path,
+        tiny_model,
+        ["api", "rollout", "trainer"],
+        env_extra={"BURSTRL_DEV": "1", "BURSTRL_TOKEN": TOKEN},
+        store_url=f"file://{tmp_path / 'store'}",
+    ) as stack:
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        api, rollout = stack.api, stack.url("rollout")
+        spec = {
+            "name": "agent-train",
+            "base_model": str(tiny_model),
+            "group_size": 2,
+            "batch_size": 1,
+            "steps": 2,
+            "eval_size": 0,
+            "agent": {"enabled": True},
+        }
+        resp = httpx.post(f"{api}/v1/jobs", json=spec, headers=auth, timeout=30)
+        assert resp.status_code == 201, resp.text
+        job = resp.json()["id"]
+        r = stack.redis.client()
+
+        def group() -> dict | None:
+            got = httpx.post(f"{rollout}/v1/jobs/{job}/groups", json={}, headers=auth, timeout=30)
+            return got.json() if got.status_code == 201 else None
+
+        def play(g: dict) -> set[int]:
+            versions = set()
+            for e, rew in zip(g["episodes"], (1.0, 0.0), strict=True):
+                _, records = run_agent(e["base_url"], "What is 2+3?")
+                versions |= {rec["policy_version"] for rec in records}
+                got = httpx.post(
+                    f"{rollout}/v1/jobs/{job}/episodes/{e['id']}/reward", json={"reward": rew}, headers=auth, timeout=30
+                )
+                assert got.status_code == 200, got.text
+            return versions
+
+        assert play(wait_for(group, 300, "rollout serving the job", stack.launcher)) == {0}
+        wait_for(lambda: int(r.hget(keys.ledger(job), "trained") or 0) == 1, 300, "step 1 trained", stack.launcher)
+
+        def on_v1() -> bool:  # the rollout replica reports serving v1 (its heartbeat)
+            svcs = httpx.get(f"{api}/v1/services", headers=auth, timeout=30).json()
+            return any(s.get("role") == "rollout" and (s.get("policy_versions") or {}).get(job, 0) >= 1 for s in svcs)
+
+        wait_for(on_v1, 300, "rollout serving v1", stack.launcher)
+        versions = play(wait_for(group, 60, "a group opened", stack.launcher))
+        assert versions == {1}, versions
+        wait_for(lambda: int(r.hget(keys.ledger(job), "trained") or 0) == 2, 300, "step 2 trained", stack.launcher)
+        a = audit(r, job)
+        assert a.balanced and a.counters["fed"] == 2 and a.in_flight == 0, a.problems

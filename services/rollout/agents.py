@@ -200,8 +200,8 @@ class AgentServer:
 
     def chat(self, job_id: str, episode_id: str, req: dict[str, Any]) -> dict[str, Any]:
         """One chat turn: the reply, with what the episode recorded under `burstrl`."""
+        view = self.served(job_id)  # the job's state first: a paused job says so, whatever the episode
         ep = self.episode(job_id, episode_id)
-        view = self.served(job_id)
         tpl = self.template()
         try:
             msgs = [normal(m) for m in req["messages"]]
@@ -245,8 +245,8 @@ class AgentServer:
 
     def complete(self, job_id: str, episode_id: str, req: dict[str, Any]) -> dict[str, Any]:
         """One completion turn: `prompt` must extend the episode's text so far."""
-        ep = self.episode(job_id, episode_id)
         view = self.served(job_id)
+        ep = self.episode(job_id, episode_id)
         prompt = req["prompt"]
         with self._busy(ep, "completion"):
             tok = self.template()
