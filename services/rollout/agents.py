@@ -476,12 +476,10 @@ class AgentServer:
 
     def _generate(self, cfg: SamplingConfig, batch: list[Turn]) -> None:
         t0 = time.time()
+        # `step` gave every group of the batch its lease
+        adapters = [t.episode.group.lease.adapter if t.episode.group.lease else None for t in batch]
         try:
-            gens = self.leases.engine.generate_ids(
-                [t.context for t in batch],
-                [t.episode.group.lease.adapter for t in batch],
-                cfg,  # type: ignore[union-attr]
-            )
+            gens = self.leases.engine.generate_ids([t.context for t in batch], adapters, cfg)
         except EngineUnavailable as e:
             for t in batch:
                 t.error = AgentError(503, f"engine unavailable: {e}")

@@ -125,18 +125,19 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[dict[str, Any]], *, generation: bool, tools: list | None = None) -> str:
         try:
-            return self.tok.apply_chat_template(
+            text = self.tok.apply_chat_template(
                 list(messages), tools=tools or None, tokenize=False, add_generation_prompt=generation
             )
         except Exception as e:  # a template's own raise_exception (roles out of order, ...)
             raise ChatError(f"the chat template refused these messages: {type(e).__name__}: {e}") from e
+        return str(text)
 
     def encode(self, text: str) -> list[int]:
         """Text -> ids; the template writes its own BOS/markers as text (special tokens parsed)."""
         return list(self.tok.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=False)
+        return str(self.tok.decode(list(ids), skip_special_tokens=False))
 
     def first_ids(self, messages: Sequence[dict[str, Any]], tools: list | None) -> list[int]:
         """The first turn's context: the messages rendered with the generation prompt, tokenized once."""
