@@ -399,3 +399,100 @@ def test_agent_groups_train_and_later_groups_run_on_the_new_version(tmp_path: Pa
         wait_for(lambda: int(r.hget(keys.ledger(job), "trained") or 0) == 2, 300, "step 2 trained", stack.launcher)
         a = audit(r, job)
         assert a.balanced and a.counters["fed"] == 2 and a.in_flight == 0, a.problems
+
+
+# -- the agent server with a scripted engine: a Hermes tool call, turns batched together -----
+class ScriptedEngine:
+    """Answers each turn with the next scripted text (as the tiny tokenizer's ids, plus EOS)."""
+
+    def __init__(self, tpl: ChatTemplate, script: list[str]) -> None:
+        self.tpl, self.script, self.calls = tpl, list(script), []
+
+    def generate_ids(self, prompts, adapters, cfg):  # noqa: ANN001, ANN201
+        from services.rollout.engine import Generation, Sample
+
+        self.calls.append(len(prompts))
+        out = []
+        for p in prompts:
+            text = self.script.pop(0)
+            ids = [*self.tpl.encode(text), self.tpl.tok.eos_token_id]
+            out.append(Generation(list(p), [Sample(ids, [-0.25] * len(ids), text, "stop")]))
+        return out
+
+
+def test_a_hermes_tool_call_round_trips_and_the_group_is_token_exact(tpl: ChatTemplate, r) -> None:  # noqa: ANN001
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from services.rollout.agents import AgentServer
+    from services.rollout.served import Leases, ServedJob
+    from shared.job import JobRecord
+
+    call = '<tool_call>{"name": "calc", "arguments": {"expr": "2+3"}}</tool_call>'
+    engine = ScriptedEngine(tpl, [call, call, "5", "6"])
+    rec = JobRecord(
+        id="tools-000001",
+        spec=JobSpec(base_model=str(TINY), group_size=2, agent={"enabled": True}),
+        state="running",
+        created_at=0.0,
+        updated_at=0.0,
+    )
+    r.hset(keys.ledger(rec.id), mapping={"fed": 0, "trained": 0, "dead": 0})
+    for stream, group in keys.job_streams(rec.id).items():
+        r.xgroup_create(stream, group, id="0", mkstream=True)
+    reg = CollectorRegistry()
+    leases = Leases(engine, reg, 256)  # type: ignore[arg-type]
+    srv = AgentServer(SimpleNamespace(redis=r, registry=reg), str(TINY), leases, {rec.id: ServedJob(rec)})  # type: ignore[arg-type]
+    stop = threading.Event()
+
+    def worker() -> None:  # the rollout loop's part, stepping once both episodes' turns wait
+        while not stop.is_set():
+            if srv.turns.qsize() >= 2:
+                srv.step()
+            stop.wait(0.05)
+
+    threading.Thread(target=worker, daemon=True).start()
+    try:
+        g = srv.open_group(rec.id, {})
+        tools = [CALC]
+
+        def episode(ep_id: str) -> tuple[list[dict], list[dict]]:
+            msgs: list[dict] = [{"role": "user", "content": "2+3?"}]
+            records = []
+            first = srv.chat(rec.id, ep_id, {"messages": msgs, "tools": tools})
+            records.append(first["burstrl"])
+            reply = first["choices"][0]["message"]
+            assert first["choices"][0]["finish_reason"] == "tool_calls" and reply["content"] == ""
+            (tc,) = reply["tool_calls"]
+            assert tc["function"]["name"] == "calc" and json.loads(tc["function"]["arguments"]) == {"expr": "2+3"}
+            # As an openai client echoes it back (arguments re-serialized), then the tool's result.
+            echoed = {**reply, "tool_calls": [{**tc, "function": {"name": "calc", "arguments": '{"expr":"2+3"}'}}]}
+            msgs += [echoed, {"role": "tool", "tool_call_id": tc["id"], "content": "5"}]
+            second = srv.chat(rec.id, ep_id, {"messages": msgs, "tools": tools})
+            records.append(second["burstrl"])
+            return msgs, records
+
+        with ThreadPoolExecutor(2) as pool:  # both episodes at once: their turns share engine calls
+            results = list(pool.map(episode, [e.id for e in g.episodes]))
+        assert engine.calls == [2, 2], engine.calls
+        for e, rew in zip(g.episodes, (1.0, 0.0), strict=True):
+            srv.close(rec.id, e.id, "reward", {"agent": rew}, None)
+    finally:
+        stop.set()
+    (entry,) = r.xrange(keys.ready(rec.id))
+    grp = decode(entry[1][b"m"], GroupMsg)
+    prompt = list(unpack_i32(grp.prompt_ids))
+    for c, (_, records) in zip(grp.completions, results, strict=True):
+        ids, mask = list(unpack_i32(c.token_ids)), list(unpack_u8(c.loss_mask))
+        assert prompt + ids == records[1]["prompt_token_ids"] + records[1]["completion_token_ids"]
+        generated = [t for t, m in zip(ids, mask, strict=True) if m]
+        assert generated == records[0]["completion_token_ids"] + records[1]["completion_token_ids"]
+        # The tool call's text is trained on exactly as generated; the tool's answer is masked out.
+        assert tpl.decode(records[0]["completion_token_ids"]).startswith(call)
+        masked = tpl.decode([t for t, m in zip(ids, mask, strict=True) if not m])
+        assert "<|im_start|>tool\n5<|im_end|>" in masked
+    a = audit(r, rec.id)
+    assert a.balanced and a.counters["fed"] == 1, a.problems
