@@ -420,9 +420,8 @@ class ScriptedEngine:
         return out
 
 
-def test_a_hermes_tool_call_round_trips_and_the_group_is_token_exact(tpl: ChatTemplate, r) -> None:  # noqa: ANN001
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
+def scripted_server(r, engine: ScriptedEngine, job_id: str):  # noqa: ANN001, ANN201
+    """An AgentServer over `engine` serving one running agent job (ledger and streams created)."""
     from types import SimpleNamespace
 
     from prometheus_client import CollectorRegistry
@@ -431,10 +430,8 @@ def test_a_hermes_tool_call_round_trips_and_the_group_is_token_exact(tpl: ChatTe
     from services.rollout.served import Leases, ServedJob
     from shared.job import JobRecord
 
-    call = '<tool_call>{"name": "calc", "arguments": {"expr": "2+3"}}</tool_call>'
-    engine = ScriptedEngine(tpl, [call, call, "5", "6"])
     rec = JobRecord(
-        id="tools-000001",
+        id=job_id,
         spec=JobSpec(base_model=str(TINY), group_size=2, agent={"enabled": True}),
         state="running",
         created_at=0.0,
@@ -446,6 +443,16 @@ def test_a_hermes_tool_call_round_trips_and_the_group_is_token_exact(tpl: ChatTe
     reg = CollectorRegistry()
     leases = Leases(engine, reg, 256)  # type: ignore[arg-type]
     srv = AgentServer(SimpleNamespace(redis=r, registry=reg), str(TINY), leases, {rec.id: ServedJob(rec)})  # type: ignore[arg-type]
+    return srv, rec
+
+
+def test_a_hermes_tool_call_round_trips_and_the_group_is_token_exact(tpl: ChatTemplate, r) -> None:  # noqa: ANN001
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    call = '<tool_call>{"name": "calc", "arguments": {"expr": "2+3"}}</tool_call>'
+    engine = ScriptedEngine(tpl, [call, call, "5", "6"])
+    srv, rec = scripted_server(r, engine, "tools-000001")
     stop = threading.Event()
 
     def worker() -> None:  # the rollout loop's part, stepping once both episodes' turns wait
@@ -496,3 +503,38 @@ def test_a_hermes_tool_call_round_trips_and_the_group_is_token_exact(tpl: ChatTe
         assert "<|im_start|>tool\n5<|im_end|>" in masked
     a = audit(r, rec.id)
     assert a.balanced and a.counters["fed"] == 1, a.problems
+
+
+def test_completion_episodes_extend_their_text_and_keep_their_ids(tpl: ChatTemplate, r) -> None:  # noqa: ANN001
+    import threading
+
+    from services.rollout.agents import AgentError
+
+    engine = ScriptedEngine(tpl, ["5", "ok"])
+    srv, rec = scripted_server(r, engine, "compl-000001")
+    stop = threading.Event()
+
+    def worker() -> None:
+        while not stop.is_set():
+            srv.step()
+            stop.wait(0.02)
+
+    threading.Thread(target=worker, daemon=True).start()
+    try:
+        g = srv.open_group(rec.id, {})
+        ep = g.episodes[0].id
+        first = srv.complete(rec.id, ep, {"prompt": "2+3="})
+        assert first["choices"][0]["text"] == "5"
+        with pytest.raises(AgentError, match="does not start with this episode's text") as refused:
+            srv.complete(rec.id, ep, {"prompt": "2+4=5 check:"})
+        assert refused.value.status == 409
+        second = srv.complete(rec.id, ep, {"prompt": "2+3=5 check:"})
+        # The second context is the first's, the generated ids (EOS included), then " check:" alone.
+        b1, b2 = first["burstrl"], second["burstrl"]
+        assert b2["prompt_token_ids"] == b1["prompt_token_ids"] + b1["completion_token_ids"] + tpl.encode(" check:")
+        with pytest.raises(AgentError, match="is a completion episode"):
+            srv.chat(rec.id, ep, {"messages": [{"role": "user", "content": "x"}]})
+        with pytest.raises(AgentError, match="no model turn yet"):
+            srv.close(rec.id, g.episodes[1].id, "reward", {"agent": 1.0}, None)
+    finally:
+        stop.set()
