@@ -420,7 +420,7 @@ class ScriptedEngine:
         return out
 
 
-def scripted_server(r, engine: ScriptedEngine, job_id: str):  # noqa: ANN001, ANN201
+def scripted_server(r, engine: ScriptedEngine, job_id: str, **spec: object):  # noqa: ANN001, ANN201
     """An AgentServer over `engine` serving one running agent job (ledger and streams created)."""
     from types import SimpleNamespace
 
@@ -432,7 +432,7 @@ def scripted_server(r, engine: ScriptedEngine, job_id: str):  # noqa: ANN001, AN
 
     rec = JobRecord(
         id=job_id,
-        spec=JobSpec(base_model=str(TINY), group_size=2, agent={"enabled": True}),
+        spec=JobSpec(base_model=str(TINY), group_size=2, agent={"enabled": True}, **spec),
         state="running",
         created_at=0.0,
         updated_at=0.0,
@@ -538,3 +538,14 @@ def test_completion_episodes_extend_their_text_and_keep_their_ids(tpl: ChatTempl
             srv.close(rec.id, g.episodes[1].id, "reward", {"agent": 1.0}, None)
     finally:
         stop.set()
+
+
+def test_open_groups_stay_within_the_in_flight_window(tpl: ChatTemplate, r) -> None:  # noqa: ANN001
+    from services.rollout.agents import AgentError
+
+    srv, rec = scripted_server(r, ScriptedEngine(tpl, []), "window-000001", batch_size=1, max_staleness=1)
+    srv.open_group(rec.id, {})
+    srv.open_group(rec.id, {})  # the window: (max_staleness + 1) x batch_size = 2 groups
+    with pytest.raises(AgentError, match="in-flight window") as full:
+        srv.open_group(rec.id, {})
+    assert full.value.status == 429

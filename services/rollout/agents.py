@@ -38,10 +38,11 @@ from services.rollout.engine import SamplingConfig
 from services.rollout.errors import EngineUnavailable, RequestFailed
 from services.rollout.served import Leases, ServedJob, ServedVersion, sampling_of
 from shared import keys
+from shared.backlog import feed_room
 from shared.bus import inject
 from shared.job import JobState
 from shared.limits import AGENT_OPEN_EPISODES_MAX
-from shared.metrics import record_point
+from shared.metrics import read_ledger, record_point
 from shared.schema import Completion, GroupMsg, encode, pack_f32, pack_i32, pack_u8
 from shared.service import ServiceRuntime
 
@@ -172,6 +173,17 @@ class AgentServer:
     def open_group(self, job_id: str, fields: dict[str, str]) -> AgentGroup:
         view = self.served(job_id)
         spec = view.rec.spec
+        # Invariant 4 for agents: groups in flight (on the bus, and open here) stay within the
+        # job's window, as the feeder keeps prompts within it; beyond, they would only be
+        # dropped as stale. (Groups open on other replicas are not seen here.)
+        room, why = feed_room(self.rt.redis, view.rec, read_ledger(self.rt.redis, job_id))
+        open_here = sum(1 for g in self.groups.values() if g.job_id == job_id and not g.ended)
+        if room - open_here <= 0:
+            raise AgentError(
+                429,
+                f"job {job_id}: {why or 'in-flight window full'} ({open_here} groups open here, window "
+                f"{spec.inflight_window} = (max_staleness + 1) x batch_size); retry after the trainer's next step",
+            )
         with self.lock:
             if len(self.episodes) + spec.group_size > AGENT_OPEN_EPISODES_MAX:
                 raise AgentError(
