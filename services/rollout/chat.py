@@ -120,10 +120,11 @@ class ChatTemplate:
         from transformers import AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(model)
-        if not getattr(self.tok, "chat_template", None):
-            raise ChatError(f"the base model {model} has no chat template: use /v1/completions")
+        self.model = model
 
     def render(self, messages: Sequence[dict[str, Any]], *, generation: bool, tools: list | None = None) -> str:
+        if not getattr(self.tok, "chat_template", None):
+            raise ChatError(f"the base model {self.model} has no chat template: use /v1/completions")
         try:
             text = self.tok.apply_chat_template(
                 list(messages), tools=tools or None, tokenize=False, add_generation_prompt=generation
