@@ -508,7 +508,7 @@ def test_a_hermes_tool_call_round_trips_and_the_group_is_token_exact(tpl: ChatTe
 def test_completion_episodes_extend_their_text_and_keep_their_ids(tpl: ChatTemplate, r) -> None:  # noqa: ANN001
     import threading
 
-    from services.rollout.agents import AgentError
+    from services.rollout.agent_episodes import AgentError
 
     engine = ScriptedEngine(tpl, ["5", "ok"])
     srv, rec = scripted_server(r, engine, "compl-000001")
@@ -541,7 +541,7 @@ def test_completion_episodes_extend_their_text_and_keep_their_ids(tpl: ChatTempl
 
 
 def test_open_groups_stay_within_the_in_flight_window(tpl: ChatTemplate, r) -> None:  # noqa: ANN001
-    from services.rollout.agents import AgentError
+    from services.rollout.agent_episodes import AgentError
 
     srv, rec = scripted_server(r, ScriptedEngine(tpl, []), "window-000001", batch_size=1, max_staleness=1)
     srv.open_group(rec.id, {})

@@ -26,7 +26,8 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
-from services.rollout.agents import AgentError, AgentServer
+from services.rollout.agent_episodes import AgentError
+from services.rollout.agents import AgentServer
 from shared.limits import (
     ARG_STR_MAX,
     CHAT_BODY_MAX_BYTES,

@@ -28,98 +28,35 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import Counter, Gauge
 
+from services.rollout.agent_episodes import (
+    AgentEpisode,
+    AgentError,
+    AgentGroup,
+    Turn,
+    common_prefix,
+    prompt_text,
+    strip_stop,
+    usage,
+)
 from services.rollout.chat import ChatError, ChatTemplate, HistoryMismatch, check_extends, normal, parse_tool_calls
 from services.rollout.engine import SamplingConfig
 from services.rollout.errors import EngineUnavailable, RequestFailed
-from services.rollout.served import Leases, ServedJob, ServedVersion, sampling_of
+from services.rollout.served import Leases, ServedJob, sampling_of
 from shared import keys
 from shared.backlog import feed_room
 from shared.bus import inject
 from shared.job import JobState
 from shared.limits import AGENT_OPEN_EPISODES_MAX
 from shared.metrics import read_ledger, record_point
-from shared.schema import Completion, GroupMsg, encode, pack_f32, pack_i32, pack_u8
+from shared.schema import GroupMsg, encode, pack_i32
 from shared.service import ServiceRuntime
 
 log = logging.getLogger(__name__)
 TURN_WAIT_S = 600.0  # a handler waits this long for its turn (an evaluation round may run first)
-
-
-class AgentError(Exception):
-    """A refused agent request: its HTTP status and the reason."""
-
-    def __init__(self, status: int, reason: str, detail: object = None) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
-        self.detail = detail  # a structured detail (a 422's field errors), else the reason
-
-
-@dataclass
-class AgentEpisode:
-    id: str
-    group: AgentGroup
-    mode: str = ""  # "chat" or "completion", fixed by its first call
-    messages: list[dict[str, Any]] = field(default_factory=list)  # chat: the history it holds (normalized)
-    tools: list[dict[str, Any]] | None = None
-    text: str = ""  # completion: the prompt text so far, as the client sees it
-    prompt_ids: list[int] = field(default_factory=list)  # the first call's context
-    ids: list[int] = field(default_factory=list)  # after the prompt: generated (mask 1) and appended (mask 0)
-    logprobs: list[float] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    turn_starts: list[int] = field(default_factory=list)
-    last_generated: list[int] = field(default_factory=list)
-    answer: str = ""  # the last assistant turn's content (what a verifier scores)
-    finish_reason: str = "stop"
-    turns: int = 0
-    busy: bool = False  # a call is in progress: a second one at once would fork the history
-    closed: str = ""  # "" open; "reward" or "verify"
-    reward_parts: dict[str, float] = field(default_factory=dict)
-
-    def completion(self, skip: int) -> Completion:
-        """Its trajectory after the group's shared prompt (`skip` ids of its own prompt)."""
-        extra = self.prompt_ids[skip:]
-        return Completion(
-            token_ids=pack_i32(extra + self.ids),
-            logprobs=pack_f32([0.0] * len(extra) + self.logprobs),
-            loss_mask=pack_u8([0] * len(extra) + self.mask),
-            text=self.answer,
-            finish_reason=self.finish_reason,
-            reward=sum(self.reward_parts.values()) if self.closed == "reward" else 0.0,
-            reward_parts=dict(self.reward_parts),
-            turn_starts=pack_i32([len(extra) + t for t in self.turn_starts]),
-            turn_rewards=pack_f32([0.0] * len(self.turn_starts)),
-        )
-
-
-@dataclass
-class AgentGroup:
-    id: str
-    job_id: str
-    fields: dict[str, str]
-    deadline_at: float  # wall clock
-    episodes: list[AgentEpisode] = field(default_factory=list)
-    lease: ServedVersion | None = None  # taken by the worker at the group's first turn
-    sampled_at: float = 0.0
-    ended: str = ""  # "" open; "bus" or "dropped_<reason>" once it left (the worker then frees the lease)
-
-
-@dataclass
-class Turn:
-    """One engine call an HTTP handler waits for."""
-
-    episode: AgentEpisode
-    context: list[int]
-    cfg: SamplingConfig
-    done: threading.Event = field(default_factory=threading.Event)
-    sample: Any = None
-    version: int = -1
-    error: AgentError | None = None
 
 
 class AgentServer:
@@ -237,7 +174,7 @@ class AgentServer:
             turn = self._run(ep, view, new_ids, prompt, req)
             s = turn.sample
             cfg = turn.cfg
-            text = _strip_stop(s.text, cfg.stop, s.finish_reason)
+            text = strip_stop(s.text, cfg.stop, s.finish_reason)
             content, calls = parse_tool_calls(text) if tools else (text, [])
             reply: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
@@ -251,7 +188,7 @@ class AgentServer:
             "created": int(time.time()),
             "model": f"{job_id}@v{turn.version}",
             "choices": [{"index": 0, "message": reply, "finish_reason": finish, "logprobs": None}],
-            "usage": _usage(turn),
+            "usage": usage(turn),
             "burstrl": self._record(ep, turn),
         }
 
@@ -273,7 +210,7 @@ class AgentServer:
                     )
                 new_ids, first = tok.encode(prompt[len(ep.text) :]), False
             turn = self._run(ep, view, new_ids, first, req)
-            text = _strip_stop(turn.sample.text, turn.cfg.stop, turn.sample.finish_reason)
+            text = strip_stop(turn.sample.text, turn.cfg.stop, turn.sample.finish_reason)
             ep.text = prompt + text
             ep.answer = text
         return {
@@ -282,7 +219,7 @@ class AgentServer:
             "created": int(time.time()),
             "model": f"{job_id}@v{turn.version}",
             "choices": [{"index": 0, "text": text, "finish_reason": turn.sample.finish_reason, "logprobs": None}],
-            "usage": _usage(turn),
+            "usage": usage(turn),
             "burstrl": self._record(ep, turn),
         }
 
@@ -398,12 +335,12 @@ class AgentServer:
     def _hand_on(self, g: AgentGroup, how: str) -> None:
         view = self.jobs.get(g.job_id)
         uses_ref = view.rec.spec.uses_ref if view is not None else False
-        skip = _common_prefix([e.prompt_ids for e in g.episodes])
+        skip = common_prefix([e.prompt_ids for e in g.episodes])
         msg = GroupMsg(
             job_id=g.job_id,
             group_id=g.id,
             item_id=g.fields.get("item_id", g.id),
-            prompt=_prompt_text(g.episodes[0]),
+            prompt=prompt_text(g.episodes[0]),
             prompt_ids=pack_i32(g.episodes[0].prompt_ids[:skip]),
             fields=g.fields,
             policy_version=g.lease.version if g.lease else 0,
@@ -542,36 +479,3 @@ class _Busy:
     def __exit__(self, *exc: object) -> None:
         with self.srv.lock:
             self.ep.busy = False
-
-
-def _strip_stop(text: str, stop: tuple[str, ...], finish: str) -> str:
-    """The reply's text without the stop string that ended it (OpenAI semantics); the ids keep it."""
-    if finish != "length":
-        for s in stop:
-            if s and text.endswith(s):
-                return text[: -len(s)]
-    return text
-
-
-def _usage(turn: Turn) -> dict[str, int]:
-    n = len(turn.sample.token_ids)
-    return {"prompt_tokens": len(turn.context), "completion_tokens": n, "total_tokens": len(turn.context) + n}
-
-
-def _common_prefix(seqs: list[list[int]]) -> int:
-    """Length of the ids every episode's prompt starts with (the group's shared prompt)."""
-    if not seqs:
-        return 0
-    n = min(len(s) for s in seqs)
-    first = seqs[0]
-    for i in range(n):
-        if any(s[i] != first[i] for s in seqs[1:]):
-            return i
-    return n
-
-
-def _prompt_text(ep: AgentEpisode) -> str:
-    if ep.mode == "chat" and ep.messages:
-        users = [m["content"] for m in ep.messages if m["role"] == "user"]
-        return users[0] if users else ep.messages[0]["content"]
-    return ep.text[:4096]
