@@ -5,7 +5,7 @@ byte each per weight, plus an fp32 absmax per block of 256) instead of two fp32 
 `base_bits = 4` loads a LoRA run's frozen base linears as 4-bit NF4 with double-quantized
 absmax (QLoRA), dequantized on the fly in forward and backward.
 
-Why bitsandbytes and not torchao (docs/savers.md has the measurements): it runs both savers on
+Why bitsandbytes and not torchao (docs/quantized_savers.md has the measurements): it runs both savers on
 this project's torch 2.13 CPU build with no compiler (torchao's AdamW8bit goes through
 torch.compile), transformers loads a 4-bit base from `BitsAndBytesConfig` and peft puts LoRA on
 its `Linear4bit` layers natively, its optimizer state is plain uint8/fp32 tensors (safetensors
