@@ -8,6 +8,7 @@ deterministic data, no wall-clock assertions.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +27,7 @@ from services.trainer.checkpoint import (
 from services.trainer.learner import Learner
 from services.trainer.optim import build_optimizer, check_resume, state_kind
 from services.trainer.policy import load_policy, load_policy_files, policy_files
-from services.trainer.quant import SaverUnavailable, check_base_bits, probe_adamw8bit, probe_nf4
+from services.trainer.quant import SaverUnavailable, check_base_bits, probe_nf4
 from services.trainer.settings import TrainerSettings
 from shared.job import JobSpec
 from shared.schema import Completion, GroupMsg, pack_f32, pack_i32, pack_u8
@@ -234,11 +235,39 @@ def test_a_4bit_base_under_full_fine_tuning_is_refused(model_dir: Path) -> None:
 
 
 def test_a_device_without_kernels_is_refused_naming_the_setting() -> None:
-    # "meta" stands for a device bitsandbytes has no backend for (as CPUs were before 0.46).
-    with pytest.raises(SaverUnavailable, match=r"base_bits=4.*'meta'.*BURSTRL_TRAINER_BASE_BITS=16"):
-        probe_nf4("meta")
-    with pytest.raises(SaverUnavailable, match=r"optimizer=adamw8bit.*'meta'.*BURSTRL_TRAINER_OPTIMIZER=adamw"):
-        probe_adamw8bit("meta")
+    # "meta" stands for a device bitsandbytes has no backend for (as CPUs were before 0.46). In a
+    # subprocess: bitsandbytes caches per-device lookup tables, and a meta one must not leak here.
+    code = """
+from services.trainer.quant import SaverUnavailable, probe_adamw8bit, probe_nf4
+for probe in (probe_nf4, probe_adamw8bit):
+    try:
+        probe("meta")
+    except SaverUnavailable as e:
+        print("REFUSED", e)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout.splitlines()
+    refused = [line for line in out if line.startswith("REFUSED")]
+    assert len(refused) == 2, out
+    assert re.search(r"base_bits=4.*'meta'.*BURSTRL_TRAINER_BASE_BITS=16", refused[0]), refused[0]
+    assert re.search(r"optimizer=adamw8bit.*'meta'.*BURSTRL_TRAINER_OPTIMIZER=adamw", refused[1]), refused[1]
+
+
+def test_the_quantized_savers_are_refused_under_fsdp_or_offload() -> None:
+    from services.trainer.quant import check_savers
+
+    for other in ({"sharding": "fsdp"}, {"cpu_offload": True}):
+        with pytest.raises(SaverUnavailable, match=r"base_bits=4 cannot be combined.*BASE_BITS=16"):
+            check_savers(TrainerSettings(dev=True, base_bits=4, **other), "cpu")
+        with pytest.raises(SaverUnavailable, match=r"optimizer=adamw8bit cannot be combined.*OPTIMIZER=adamw"):
+            check_savers(TrainerSettings(dev=True, optimizer="adamw8bit", **other), "cpu")
+    check_savers(TrainerSettings(dev=True, base_bits=4, optimizer="adamw8bit"), "cpu")  # ddp, no offload: fine
 
 
 def test_without_bitsandbytes_each_saver_names_the_install_and_the_alternative(

@@ -92,7 +92,25 @@ def probe_adamw8bit(device: str) -> None:
 
 
 def check_savers(settings: TrainerSettings, device: str) -> None:
-    """Start-up check of the quantized savers against the device (raises SaverUnavailable)."""
+    """Start-up check of the quantized savers against the device and the other savers (raises
+    SaverUnavailable)."""
+    fsdp = settings.sharding == "fsdp" or settings.cpu_offload
+    if fsdp and settings.base_bits == 4:
+        # FSDP2 shards parameters as DTensors; bitsandbytes' packed Params4bit (uint8 plus its
+        # quant state) is not one it can split and re-gather. Not tried, so not allowed.
+        raise SaverUnavailable(
+            "base_bits=4 cannot be combined with sharding=fsdp or cpu_offload=true: FSDP2 cannot shard "
+            f"bitsandbytes' packed 4-bit weights. Set {env_name('base_bits')}=16 with FSDP, or keep base_bits=4 "
+            "with sharding=ddp and cpu_offload=false."
+        )
+    if fsdp and settings.optimizer == "adamw8bit":
+        # bitsandbytes' kernels step plain tensors; FSDP2 hands the optimizer DTensor shards, and
+        # the sharded checkpoint path gathers torch AdamW's state layout only.
+        raise SaverUnavailable(
+            "optimizer=adamw8bit cannot be combined with sharding=fsdp or cpu_offload=true: bitsandbytes' "
+            f"8-bit AdamW steps plain tensors, not FSDP2's sharded ones. Set {env_name('optimizer')}=adamw "
+            "with FSDP (its states are sharded over the cards instead), or use sharding=ddp."
+        )
     if settings.base_bits == 4:
         probe_nf4(device)
     if settings.optimizer == "adamw8bit":
