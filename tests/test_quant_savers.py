@@ -330,3 +330,57 @@ def test_planner_estimate_matches_measured_steps_with_each_saver() -> None:
     ]:
         measured = cal.run_case(case)["measured"]
         assert cal.estimate(case) == pytest.approx(measured, rel=0.05), case
+
+
+# -- through the trainer loop (real Redis, file store) ----------------------------------
+
+
+def test_a_job_with_both_savers_crashes_and_resumes_to_the_uninterrupted_weights(
+    r, tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The settings reach the trainer (NF4 base, bitsandbytes' AdamW; test_trainer_resume's job, whose
+    rank-4 factors are small enough that bitsandbytes keeps their states fp32), a crash after step 3
+    resumes from the step-2 checkpoint to the same weights as an uninterrupted run, and resuming it
+    with the other optimizer is refused naming the setting."""
+    import bitsandbytes as bnb
+
+    from services.trainer.loop import JobTrainer
+    from tests.test_trainer_resume import Run
+
+    def run_with_savers(where: Path) -> Run:
+        run = Run(r, where, model_dir, checkpoint_every=2)
+        run.settings = run.settings.model_copy(update={"optimizer": "adamw8bit", "base_bits": 4})
+        return run
+
+    ref = run_with_savers(tmp_path / "ref")
+    t = ref.trainer()
+    assert isinstance(t.learner.opt, bnb.optim.AdamW8bit)
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in t.model.modules())
+    t.run()
+    want = ref.final()
+
+    run = run_with_savers(tmp_path / "crash")
+    orig = JobTrainer._publish
+
+    def boom(self, files):  # noqa: ANN001, ANN202
+        if self.state.step == 3:
+            raise RuntimeError("injected crash after training step 3, before its checkpoint")
+        orig(self, files)
+
+    monkeypatch.setattr(JobTrainer, "_publish", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        run.trainer().run()
+    monkeypatch.setattr(JobTrainer, "_publish", orig)
+
+    run.settings = run.settings.model_copy(update={"optimizer": "adamw"})
+    with pytest.raises(ValueError, match=r"optimizer=adamw, but the checkpoint's optimizer state was written by"):
+        run.trainer()
+    run.settings = run.settings.model_copy(update={"optimizer": "adamw8bit"})
+    t = run.trainer()
+    assert t.state.step == 2
+    t.run()
+    got = run.final()
+    assert got[0].keys() == want[0].keys()
+    for k in got[0]:
+        assert torch.equal(got[0][k], want[0][k]), k
+    assert got[1] == pytest.approx(want[1])
