@@ -51,11 +51,17 @@ def main(argv: list[str] | None = None) -> None:
     from services.trainer.distributed import CMD_EXIT, CMD_STEP, Comm
     from services.trainer.loop import JobTrainer
     from services.trainer.progress import note_failure
+    from services.trainer.quant import SaverUnavailable, check_savers
     from shared.lease import LeaseKeeper, LeaseLost
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
     comm = Comm.from_env()
+    device = settings.device if settings.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        check_savers(settings, device)  # before any job is claimed: refuse, never fall back to 16 bit
+    except SaverUnavailable as e:
+        raise SystemExit(f"trainer: {e}") from e
     store = open_store(settings.store_url)
     if not comm.is_main:
         _follower(settings, store, comm)

@@ -42,6 +42,7 @@ from services.trainer.checkpoint import (
 )
 from services.trainer.distributed import CMD_STEP, CMD_STOP, Comm
 from services.trainer.learner import Aborted, Learner, StepResult
+from services.trainer.optim import check_resume
 from services.trainer.policy import load_policy, load_policy_files, policy_files
 from services.trainer.probe import compute_probe
 from services.trainer.progress import JobStuck, StaleStreak, clear_failures
@@ -100,6 +101,7 @@ class JobTrainer:
             seed=spec.seed,
             finetune=spec.algorithm.finetune,
             gradient_checkpointing=settings.gradient_checkpointing,
+            base_bits=settings.base_bits,
         )
         self.learner = Learner(
             self.model,
@@ -110,6 +112,7 @@ class JobTrainer:
             world=self.comm.world,
             rank=self.comm.rank,
             micro_batch_tokens=settings.micro_batch_tokens,
+            optimizer=settings.optimizer,
         )
         self.state = TrainState()
         self.ckpt_groups: set[str] = set()  # the newest checkpoint's interval: may be redelivered
@@ -153,6 +156,7 @@ class JobTrainer:
         if ck is not None:
             step = ck.state.step
             load_policy_files(self.model, ck.files)  # into the fresh adapter: never applied on top of another
+            check_resume(self.s.optimizer, ck.opt_tensors)  # adamw state never loads into adamw8bit
             optimizer_from_tensors(self.learner.opt, ck.opt_tensors, ck.param_groups)
             if ck.scheduler:
                 # Restores last_epoch without stepping; the optimizer's lr came back with its param groups.
