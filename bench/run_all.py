@@ -108,6 +108,7 @@ def items(full: bool, out: Path) -> list[tuple[str, list[str], Path | None]]:
         ("scaling", [PY, "bench/scaling.py", *s["scaling"], "--out", str(b / "scaling.md")], b / "scaling.md"),
         ("verifiers", [PY, "bench/verifiers.py", "--n-math", "200", "--n-code", "32"], None),
         ("backlog", [PY, "bench/backlog.py", *s["backlog"], "--out", str(b / "backlog.md")], b / "backlog.md"),
+        ("burst", [PY, "bench/burst.py", *(["--full"] if full else []), "--out", str(b / "burst.md")], b / "burst.md"),
     ]
 
 
@@ -175,6 +176,23 @@ def trl_rows(d: list[dict[str, Any]], cmd: str, name: str) -> list[tuple[str, st
                 name,
             )
         )
+    return rows
+
+
+def burst_rows(d: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """bench/burst.py's headline numbers: billable seconds to the threshold, M2PO's against the others."""
+    by = {x["setup"]: x for x in d.get("runs", [])}
+    rows = [("burst: measured k (trainer / inference groups/s)", f"{d['rates']['k']}", "~4", "burst")]
+    m = by.get("m2po")
+    for other in ("windowed", "trl"):
+        o = by.get(other)
+        if m and o and m.get("to_threshold") is not None and o.get("to_threshold") is not None:
+            value = f"{m['to_threshold'] / o['to_threshold']:.2f}x"
+        elif m and o and m.get("to_threshold") is not None:
+            value = f"< {m['to_threshold'] / o['billable_s']:.2f}x ({other} never reached it)"
+        else:
+            value = "not reached"
+        rows.append((f"burst: billable s to threshold, backlog + M2PO / {other}", value, "<= 0.5x", "burst"))
     return rows
 
 
@@ -268,6 +286,8 @@ def summary(b: Path, cmds: dict[str, str]) -> list[str]:
                     "backlog",
                 )
             )
+    if "burst" in cmds and (d := load("burst.json")):
+        rows += burst_rows(d)
     if not rows:
         return []
     out = ["## Summary", "", "| measure | result | target | command |", "|---|---|---|---|"]
@@ -297,7 +317,7 @@ def plots(b: Path) -> list[str]:
         fig.savefig(b / "sync.png", dpi=100)
         plt.close(fig)
         out.append("![sync](bench/sync.png)")
-    for name in ("staleness", "trl", "trl_countup"):
+    for name in ("staleness", "trl", "trl_countup", "burst"):
         if (b / f"{name}.png").exists():
             out.append(f"![{name}](bench/{name}.png)")
     return out

@@ -148,8 +148,10 @@ def evaluate_versions(
 
 
 # -- TRL side ------------------------------------------------------------------------------
-def run_trl(model: str, task_name: str, steps: int, lr: float, mode: str, seed: int, out: Path) -> dict[str, Any]:
-    """TRL GRPOTrainer in `mode` ("colocate" or "hf"); runs in this process."""
+def run_trl(
+    model: str, task_name: str, steps: int, lr: float, mode: str, seed: int, out: Path, kl: float = KL
+) -> dict[str, Any]:
+    """TRL GRPOTrainer in `mode` ("colocate" or "hf"); runs in this process. `kl`: its beta."""
     import itertools
 
     import torch
@@ -180,7 +182,7 @@ def run_trl(model: str, task_name: str, steps: int, lr: float, mode: str, seed: 
         learning_rate=lr,
         lr_scheduler_type="constant",
         warmup_steps=0,
-        beta=KL,
+        beta=kl,
         epsilon=0.2,
         epsilon_high=0.28,
         loss_type="dapo",  # token-mean, as burstrl's default aggregation
@@ -202,7 +204,7 @@ def run_trl(model: str, task_name: str, steps: int, lr: float, mode: str, seed: 
     )
     lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    clock = {"train": 0.0, "t0": 0.0, "generate": 0.0, "in_eval": False}
+    clock = {"train": 0.0, "t0": 0.0, "generate": 0.0, "in_eval": False, "begin_at": 0.0, "eval0_s": 0.0}
     hf_generate = policy.generate
 
     def timed_generate(*args: Any, **kw: Any) -> Any:
@@ -222,9 +224,11 @@ def run_trl(model: str, task_name: str, steps: int, lr: float, mode: str, seed: 
 
         def on_train_begin(self, args, state, control, model=None, **kw):  # noqa: ANN001, ANN003
             clock["in_eval"] = True
+            e0 = time.perf_counter()
             evals.append({"version": 0, "t": 0.0, "accuracy": heldout_accuracy(model, tok, 0, task_name)})
             clock["in_eval"] = False
             clock["t0"] = time.perf_counter()
+            clock["eval0_s"], clock["begin_at"] = clock["t0"] - e0, time.time()
 
         def on_step_end(self, args, state, control, model=None, **kw):  # noqa: ANN001, ANN003
             clock["train"] += time.perf_counter() - clock["t0"]
@@ -257,6 +261,10 @@ def run_trl(model: str, task_name: str, steps: int, lr: float, mode: str, seed: 
         "side": "trl",
         "mode": mode,
         "setup_s": round(setup_s, 1),
+        # Unix time training began (the first evaluation done), and how long that evaluation took:
+        # a caller that timed the process's start gets its start-up, model load included (bench/burst.py).
+        "train_begin_at": clock["begin_at"],
+        "eval0_s": round(clock["eval0_s"], 3),
         "train_s": round(clock["train"], 2),
         "generate_s": round(clock["generate"], 2),
         "samples": steps * BATCH * G,
@@ -267,21 +275,24 @@ def run_trl(model: str, task_name: str, steps: int, lr: float, mode: str, seed: 
 
 
 def trl_subprocess(
-    model: str, task: str, steps: int, lr: float, mode: str, seed: int, out: Path, timeout: float
+    model: str, task: str, steps: int, lr: float, mode: str, seed: int, out: Path, timeout: float, kl: float = KL
 ) -> dict[str, Any]:
-    """One TRL run in a fresh process (a failed vLLM start must not poison the next try)."""
+    """One TRL run in a fresh process (a failed vLLM start must not poison the next try); its
+    result's `spawned_at` is the unix time the process was started."""
     res_file = out / f"trl-{mode}.json"
     res_file.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--side", "trl", "--trl-mode", mode, "--steps", str(steps)]
     cmd += ["--model", model, "--task", task, "--lr", str(lr), "--seed", str(seed), "--result", str(res_file)]
+    cmd += ["--kl", str(kl)]
     log = out / f"trl-{mode}.log"
+    spawned_at = time.time()
     with log.open("w") as f:
         try:
             rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT).returncode
         except subprocess.TimeoutExpired:
             rc = -1
     if rc == 0 and res_file.exists():
-        return json.loads(res_file.read_text())
+        return {**json.loads(res_file.read_text()), "spawned_at": spawned_at}
     lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
     errs = [ln for ln in lines if "Error" in ln or "error" in ln]
     why = (errs[-1] if errs else (lines[-1] if lines else "no output"))[:300]
@@ -443,13 +454,21 @@ def main() -> None:
     ap.add_argument("--side", choices=["both", "trl", "burstrl"], default="both")
     ap.add_argument("--trl-mode", choices=["colocate", "hf", "auto"], default="auto")
     ap.add_argument("--trl-timeout", type=float, default=900)
+    ap.add_argument("--kl", type=float, default=KL, help="(with --side trl) TRL's KL weight, beta.")
     ap.add_argument("--result", type=Path, help="(internal) where a --side trl run writes its JSON")
     ap.add_argument("--out", type=Path, default=None, help="Write the markdown here (and .json/.png beside it).")
     a = ap.parse_args()
     a.lr = a.lr or WORKLOADS[a.task].lr
     if a.side == "trl" and a.result:  # the subprocess
         res = run_trl(
-            a.model, a.task, a.steps, a.lr, "colocate" if a.trl_mode == "auto" else a.trl_mode, a.seed, a.result.parent
+            a.model,
+            a.task,
+            a.steps,
+            a.lr,
+            "colocate" if a.trl_mode == "auto" else a.trl_mode,
+            a.seed,
+            a.result.parent,
+            a.kl,
         )
         a.result.write_text(json.dumps(res))
         return
