@@ -68,9 +68,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.backlog import BACKLOG  # noqa: E402
-from bench.billable import accuracy_at, billable_at, session_intervals, time_to, union, windows_billable  # noqa: E402
 from bench.pipeline import MODEL, Stack, submit  # noqa: E402
 from bench.trl_compare import BATCH, G, evaluate_versions, trl_subprocess  # noqa: E402
+from services.plan.billable import accuracy_at, billable_at, session_intervals, time_to, union, windows_billable  # noqa: E402
 from shared.metrics import read_ledger, read_points  # noqa: E402
 
 TASK, LR, SEED = "arith", 1e-3, 0

@@ -301,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "plan_calibration.md")
     args = parser.parse_args(argv)
     if args.case:
-        print(json.dumps(measure(Case.model_validate_json(args.case))))
+        case = Case.model_validate_json(args.case)
+        print(json.dumps(measure(case) | {"estimate": estimate(case)}))  # the planner's beside it
         return 0
     rows = []
     for case in default_cases():

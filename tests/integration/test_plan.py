@@ -3,7 +3,6 @@ and a calibration of the trainer memory model against measured CPU training step
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from services.plan.memory import (
 )
 from services.plan.model_shape import find_cached_config, resolve_shape
 from services.plan.placement import plan
+from tests.support.calibration import calibrate
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.05  # the error docs/plan.md states for trainer tensor memory
@@ -183,20 +183,11 @@ def test_shared_plan_never_imports_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
-def _calibration_module():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("plan_calibration", REPO / "bench" / "plan_calibration.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_trainer_estimate_matches_measured_cpu_steps() -> None:
     """Measure real forward+backward+AdamW steps of tiny random Qwen2 models (fresh subprocess)."""
-    cal = _calibration_module()
     for case in [
-        cal.Case(config="tiny", method="lora"),
-        cal.Case(config="tiny", method="full", accum=2, grad_checkpointing=True),
+        {"config": "tiny", "method": "lora"},
+        {"config": "tiny", "method": "full", "accum": 2, "grad_checkpointing": True},
     ]:
-        measured = cal.run_case(case)["measured"]
-        assert cal.estimate(case) == pytest.approx(measured, rel=TOLERANCE), case
+        estimate, measured = calibrate(case)
+        assert estimate == pytest.approx(measured, rel=TOLERANCE), case

@@ -318,18 +318,14 @@ def test_the_trainer_process_refuses_to_start_with_a_saver_its_device_cannot_run
 def test_planner_estimate_matches_measured_steps_with_each_saver() -> None:
     """bench/plan_calibration.py's CPU measurement (fresh subprocess) against the planner, for the
     8-bit optimizer and the NF4 base, within the 5% docs/plan.md states (tests/test_plan.py)."""
-    import importlib.util
+    from tests.support.calibration import calibrate
 
-    spec = importlib.util.spec_from_file_location("plan_calibration", REPO / "bench" / "plan_calibration.py")
-    assert spec and spec.loader
-    cal = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cal)
     for case in [
-        cal.Case(config="tiny", method="full", optimizer="adamw8bit"),
-        cal.Case(config="tiny", method="lora", base_bits=4),
+        {"config": "tiny", "method": "full", "optimizer": "adamw8bit"},
+        {"config": "tiny", "method": "lora", "base_bits": 4},
     ]:
-        measured = cal.run_case(case)["measured"]
-        assert cal.estimate(case) == pytest.approx(measured, rel=0.05), case
+        estimate, measured = calibrate(case)
+        assert estimate == pytest.approx(measured, rel=0.05), case
 
 
 # -- through the trainer loop (real Redis, file store) ----------------------------------
@@ -343,9 +339,9 @@ def test_a_job_with_both_savers_crashes_and_resumes_to_the_uninterrupted_weights
     resumes from the step-2 checkpoint to the same weights as an uninterrupted run, and resuming it
     with the other optimizer is refused naming the setting."""
     import bitsandbytes as bnb
+    from tests.test_trainer_resume import Run
 
     from services.trainer.loop import JobTrainer
-    from tests.test_trainer_resume import Run
 
     def run_with_savers(where: Path) -> Run:
         run = Run(r, where, model_dir, checkpoint_every=2)

@@ -1,4 +1,5 @@
-"""Billable-seconds accounting for bench/burst.py: pure functions of alive intervals and evaluations.
+"""Billable-seconds accounting, pure functions of alive intervals and evaluations (bench/burst.py
+measures with them).
 
 A rented card is billed while a process on it is alive: the trainer's, and a burst-side rollout
 replica's if there is one. Two processes on the same card bill once, so the billed seconds are

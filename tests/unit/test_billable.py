@@ -1,4 +1,4 @@
-"""bench/billable.py: billable-seconds accounting of the burst benchmark (pure functions)."""
+"""services/plan/billable.py: billable-seconds accounting of the burst benchmark (pure functions)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bench.billable import accuracy_at, billable_at, session_intervals, time_to, union, windows_billable
+from services.plan.billable import accuracy_at, billable_at, session_intervals, time_to, union, windows_billable
 
 
 def test_union_merges_overlaps_and_drops_empty() -> None:
