@@ -339,9 +339,9 @@ def test_a_job_with_both_savers_crashes_and_resumes_to_the_uninterrupted_weights
     resumes from the step-2 checkpoint to the same weights as an uninterrupted run, and resuming it
     with the other optimizer is refused naming the setting."""
     import bitsandbytes as bnb
-    from tests.test_trainer_resume import Run
 
     from services.trainer.loop import JobTrainer
+    from tests.support.trainer_run import Run
 
     def run_with_savers(where: Path) -> Run:
         run = Run(r, where, model_dir, checkpoint_every=2)
