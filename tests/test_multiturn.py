@@ -1,10 +1,10 @@
 """Multi-turn trajectories in the trainer: tool/observation tokens carry no gradient.
 
 Checked on the loss itself, through the trainer's real path (collate -> Learner ->
-policy_loss, with the KL and entropy terms on): adding noise to the logits at every
-position whose target is an observation token (or prompt/padding) changes neither the
-loss nor any parameter's gradient, bit for bit, and the logits' gradient there is exactly
-zero; the same noise at a generated token's position does change them (the check is live).
+policy_loss, with the KL and entropy terms on): adding noise to the final hidden states
+(the head's input, position by position) at every position whose target is an observation
+token (or prompt/padding) changes neither the loss nor any parameter's gradient, bit for
+bit, and the gradient there is exactly zero; the same noise at a generated token's position does change them (the check is live).
 """
 
 from __future__ import annotations
@@ -79,8 +79,11 @@ def grads_and_stats(
     spec: JobSpec, gs: list[GroupMsg], noise_at: torch.Tensor | None
 ) -> tuple[list, dict, torch.Tensor]:
     """One Learner batch; returns parameter grads (captured before the optimizer step),
-    the step's stats (with its loss), and d loss / d logits. `noise_at` [N, T] adds noise
-    to the logits where it is 1 (to show positions that must not matter do not)."""
+    the step's stats (with its loss), and d loss / d final hidden states. `noise_at` [N, T]
+    adds noise to the final hidden states where it is 1 (to show positions that must not
+    matter do not). The head maps each position's hidden state to that position's logits
+    alone, so a zero gradient there is a zero gradient on its logits: the learner computes
+    log-probs from the hidden states in chunks and never holds the whole logits tensor."""
     model = tiny_model()
     learner = Learner(model, spec, pad_id=0, grad_clip=1e9)
     captured: dict = {}
@@ -90,20 +93,20 @@ def grads_and_stats(
             noise = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)) * 5.0
             out = out + noise * noise_at[:, : out.shape[1], None]
         out.retain_grad()
-        captured["logits"] = out
+        captured["hidden"] = out
         return out
 
-    model.lm_head.register_forward_hook(hook)
+    model.model.norm.register_forward_hook(hook)
     learner.opt.step = lambda *a, **k: captured.setdefault("grads", [p.grad.clone() for p in learner.params])  # type: ignore[method-assign]
     res = learner.train_batch(gs)
-    return captured["grads"], res.stats, captured["logits"].grad
+    return captured["grads"], res.stats, captured["hidden"].grad
 
 
 def grads_and_loss(
     spec: JobSpec, gs: list[GroupMsg], noise_at: torch.Tensor | None
 ) -> tuple[list, float, torch.Tensor]:
-    grads, stats, dlogits = grads_and_stats(spec, gs, noise_at)
-    return grads, stats["loss"], dlogits
+    grads, stats, dhidden = grads_and_stats(spec, gs, noise_at)
+    return grads, stats["loss"], dhidden
 
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
@@ -131,13 +134,13 @@ def test_observation_tokens_carry_no_gradient(aggregation: str) -> None:
             assert b.mask[row, len(PROMPT) - 1 : len(PROMPT) - 1 + len(lm)].tolist() == lm and 0 in lm
             row += 1
 
-    g0, loss0, dlogits = grads_and_loss(spec, gs, None)
+    g0, loss0, dhidden = grads_and_loss(spec, gs, None)
     g1, loss1, _ = grads_and_loss(spec, gs, untrained)
     assert loss0 == loss1
     assert all(torch.equal(a, c) for a, c in zip(g0, g1, strict=True))
-    # d loss / d logits is exactly zero wherever the target is not a generated token
-    assert torch.count_nonzero(dlogits[untrained.bool()]) == 0
-    assert torch.count_nonzero(dlogits[~untrained.bool()]) > 0
+    # d loss / d hidden (so d loss / d logits) is exactly zero wherever the target is not a generated token
+    assert torch.count_nonzero(dhidden[untrained.bool()]) == 0
+    assert torch.count_nonzero(dhidden[~untrained.bool()]) > 0
 
     # Control: the same noise at one generated token's position does change the gradient.
     trained = torch.zeros(n, length)
