@@ -10,13 +10,12 @@ than `chunk` tokens at once:
   fp32 log-softmax, gather the target, optionally the entropy; only the per-token results
   are kept;
 - backward (`ChunkedHeadLogprobs`, a torch.autograd.Function): each chunk's logits are
-  recomputed from the saved hidden states and weight, and the gradient w.r.t. the logits is
-  formed in place and turned into the chunk's hidden-state gradient (and the head weight's,
-  when it trains) before the next chunk.
+  recomputed from the saved hidden states and weight, and their gradient is turned into the
+  chunk's hidden-state gradient (and the head weight's, when it trains) before the next chunk.
 
 The arithmetic per token is the unchunked one (the same fp32 log_softmax over the same
-logits), so values and gradients agree with `shared.ml.logprobs` to float rounding
-(tests/test_chunked_logprobs.py).
+logits, the same backward steps), so values and gradients are `shared.ml.logprobs`'s up to
+the last bit a matmul over fewer rows may round differently (tests/test_chunked_logprobs.py).
 
 `model_token_logprobs` runs an HF causal LM so: it asks the model for no logits
 (`logits_to_keep` of no positions), takes the final hidden states from its decoder, and
@@ -76,13 +75,18 @@ def resolve_logits_chunk(setting: int, vocab_size: int) -> int:
     return setting or auto_logits_chunk(vocab_size)
 
 
+def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    """fp32 for 16-bit and fp32 models (bf16 logits lose the tail rare tokens need); fp64 stays fp64."""
+    return torch.promote_types(weight.dtype, torch.float32)
+
+
 def _chunk_forward(
     h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t: torch.Tensor, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One chunk: the target's log-prob and (optionally) the entropy, exactly as
     shared.ml.logprobs computes them from the full logits."""
     # The head's matmul in the model's dtype (as nn.Linear in the HF forward), log-softmax in fp32.
-    lp_all = torch.log_softmax(F.linear(h, weight, bias).float(), dim=-1)
+    lp_all = torch.log_softmax(F.linear(h, weight, bias).to(_compute_dtype(weight)), dim=-1)
     logp = lp_all.gather(-1, t[:, None])[:, 0]
     ent = None
     if with_entropy:
@@ -94,9 +98,11 @@ def _chunk_forward(
 class ChunkedHeadLogprobs(torch.autograd.Function):
     """(hidden [n, H], weight [V, H], bias [V] | None, targets [n]) -> (logp [n], entropy [n]).
 
-    Saves only its inputs; backward recomputes each chunk's logits. d/dz of logp_t is
-    onehot(t) - p, of the entropy H is -p * (log p + H); both are formed in place in the
-    chunk's one fp32 [chunk, V] buffer (plus p when the entropy carries a gradient).
+    Saves only its inputs (and the entropies); backward recomputes each chunk's logits and
+    forms their gradient with the very elementwise steps autograd takes through the unchunked
+    `log_softmax -> gather` and `-(exp(lp) * lp).sum()` graph, and torch's own log-softmax
+    backward kernel, so on the same logits the gradient is bit-for-bit autograd's. At most three
+    fp32 [chunk, V] buffers are alive at once.
     """
 
     @staticmethod
@@ -110,14 +116,15 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         with_entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
-        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        ent = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+        dtype = _compute_dtype(weight)
+        logp = torch.empty(n, dtype=dtype, device=hidden.device)
+        ent = torch.empty(n if with_entropy else 0, dtype=dtype, device=hidden.device)
         for s in range(0, n, chunk):
             lp, e = _chunk_forward(hidden[s : s + chunk], weight, bias, targets[s : s + chunk], with_entropy)
             logp[s : s + chunk] = lp
             if e is not None:
                 ent[s : s + chunk] = e
-        ctx.save_for_backward(hidden, weight, bias, targets, ent)
+        ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.chunk = chunk
         if not with_entropy:
             ctx.mark_non_differentiable(ent)
@@ -125,38 +132,45 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g_logp: torch.Tensor | None, g_ent: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
-        hidden, weight, bias, targets, ent = ctx.saved_tensors
+        hidden, weight, bias, targets = ctx.saved_tensors
         chunk = ctx.chunk
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        n = hidden.shape[0]
+        n, dtype = hidden.shape[0], _compute_dtype(weight)
         if g_logp is None:
-            g_logp = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+            g_logp = torch.zeros(n, dtype=dtype, device=hidden.device)
         if g_ent is not None and (g_ent.numel() == 0 or not bool(g_ent.any())):
-            g_ent = None  # entropy detached (or only reported): its term is zero, skip its buffer
+            g_ent = None  # entropy detached (or only reported): its term is zero, skip its buffers
         grad_h = torch.empty_like(hidden) if need_h else None
-        # Accumulated chunk by chunk in the weight's dtype (addmm_ sums each chunk in fp32 inside).
-        grad_w = torch.zeros_like(weight) if need_w else None
-        grad_b = torch.zeros_like(bias) if (need_b and bias is not None) else None
+        grad_w: torch.Tensor | None = None
+        grad_b: torch.Tensor | None = None
         for s in range(0, n, chunk):
-            h, t, gl = hidden[s : s + chunk], targets[s : s + chunk], g_logp[s : s + chunk, None]
-            lp_all = torch.log_softmax(F.linear(h, weight, bias).float(), dim=-1)
+            h, t = hidden[s : s + chunk], targets[s : s + chunk]
+            lp_all = torch.log_softmax(F.linear(h, weight, bias).to(dtype), dim=-1)
             if g_ent is None:
-                gz = lp_all.exp_().mul_(gl).neg_()  # -p * g_logp
+                d_lp = torch.zeros_like(lp_all)
             else:
-                p = lp_all.exp()
-                # g_logp + g_ent * (log p + H), then times -p: all in lp_all's buffer.
-                lp_all.add_(ent[s : s + chunk, None]).mul_(g_ent[s : s + chunk, None]).add_(gl)
-                gz = lp_all.mul_(p).neg_()
-                del p
-            gz.scatter_add_(-1, t[:, None], gl)  # + onehot(t) * g_logp
-            gz = gz.to(hidden.dtype)  # the fp32 upcast's backward, as autograd does for .float()
+                # The entropy -(E * L).sum(), E = exp(L), as autograd differentiates it:
+                # dL = g * E (the product) + (g * L) * E (through exp), g = -g_ent.
+                g = g_ent[s : s + chunk, None].neg()
+                d_lp = lp_all.exp()
+                d_exp = (lp_all * g).mul_(d_lp)
+                d_lp.mul_(g).add_(d_exp)
+                del d_exp
+            d_lp.scatter_add_(-1, t[:, None], g_logp[s : s + chunk, None])  # gather's backward
+            gz = torch._log_softmax_backward_data(d_lp, lp_all, -1, dtype)
+            del d_lp, lp_all
+            gz = gz.to(hidden.dtype)  # the upcast's backward, as autograd does for .float()
             if grad_h is not None:
                 torch.mm(gz, weight, out=grad_h[s : s + chunk])
-            if grad_w is not None:
-                grad_w.addmm_(gz.t(), h)
-            if grad_b is not None:
-                grad_b.add_(gz.sum(dim=0))
-            del gz, lp_all
+            if need_w:
+                grad_w = gz.t().mm(h) if grad_w is None else grad_w.addmm_(gz.t(), h)
+            if need_b and bias is not None:
+                grad_b = gz.sum(dim=0) if grad_b is None else grad_b.add_(gz.sum(dim=0))
+            del gz
+        if need_w and grad_w is None:  # no tokens
+            grad_w = torch.zeros_like(weight)
+        if need_b and bias is not None and grad_b is None:
+            grad_b = torch.zeros_like(bias)
         return grad_h, grad_w, grad_b, None, None, None
 
 
