@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import resource
 import subprocess
 import sys
@@ -249,8 +250,16 @@ def write_report(rows: list[tuple[Case, dict[str, float]]], path: Path, command:
         "",
         f"Largest absolute error: **{worst:.1%}** (tests assert the stated tolerance, see docs/plan.md).",
     ]
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(lines) + "\n" + kept_sections(path))
     return worst
+
+
+def kept_sections(path: Path) -> str:
+    """Sections other benches write into the page (between `<!-- name:begin -->` and
+    `<!-- name:end -->`, e.g. bench/chunked_logprobs.py): kept when this table is rewritten."""
+    text = path.read_text() if path.exists() else ""
+    found = re.finditer(r"<!-- ([\w-]+):begin -->.*?<!-- \1:end -->\n?", text, flags=re.S)
+    return "".join("\n" + m.group(0) for m in found)
 
 
 def main(argv: list[str] | None = None) -> int:
