@@ -18,6 +18,7 @@ process is a cross-check. The planner's prediction for the same case
 (`services.plan.memory.trainer_memory` / `ref_memory`, GPU overheads off) sits next to it.
 
     .venv/bin/python bench/chunked_logprobs.py [--layers 2] [--out docs/bench/chunked_logprobs.md]
+    .venv/bin/python bench/chunked_logprobs.py --from-log docs/bench/chunked_logprobs.log --out ...  # no re-run
 
 Also rewrites its section of docs/plan_calibration.md (between the chunked_logprobs markers).
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import resource
 import subprocess
 import sys
@@ -339,7 +341,8 @@ def report(rows: list[tuple[Case, dict[str, float]]], command: str) -> tuple[str
         "Random-init Qwen2.5-0.5B shape with the real 151,936-token vocabulary and "
         f"{rows[0][0].layers} decoder layers, fp32, {rows[0][0].threads} torch threads. Peak = live tensor bytes "
         "(torch memory profiler) after the model and inputs exist, weights and optimizer states included; each "
-        "row a fresh process; the two sides of a case run one after the other in the same invocation.",
+        "row a fresh process; the two sides of a case run one after the other in the same invocation. s / step is "
+        "wall time on a shared 2-core machine with other work running: a rough figure, not a speed comparison.",
         "",
         "| case | side | peak MiB | above setup MiB | MiB / token above setup | peak vs unchunked | peak RSS MiB "
         "| s / step | peak during |",
@@ -385,7 +388,21 @@ def report(rows: list[tuple[Case, dict[str, float]]], command: str) -> tuple[str
             f"| {label(case)} | {side(case)} | {est / MiB:.0f} | {r['measured'] / MiB:.0f} | {err:+.1%} "
             f"| {'yes' if abs(err) <= 0.10 else '**no**'} | {r.get('peak_phase', '?')} / {predict_phase(case)} |"
         )
-    cal += ["", f"Largest absolute error in this section: **{worst:.1%}**.", END]
+    cal += [
+        "",
+        f"Largest absolute error in this section: **{worst:.1%}**.",
+        "",
+        "Why the misses (from the phases above): the unchunked rows are the code this change replaced. The "
+        "planner counts three fp32 [completion tokens, vocab] tensors; that code built logits at every "
+        "position, prompt included, and kept the entropy's exp and product buffers too, so it needed more "
+        "than predicted (the reason a 4096-token default did not fit, issue 22). Full fine-tuning peaks in "
+        "AdamW's step with or without chunking: torch's CPU AdamW (the for-loop one) holds two temporaries "
+        "of the largest weight at once (sqrt, then div, of the tied embedding's second moment, 2 x 520 MiB "
+        "here), where the planner's foreach model holds one temporary per weight (636 MiB in all). That is "
+        "the CPU's optimizer, not the log-probs; on CUDA the learner's AdamW is foreach, the case the "
+        "planner models.",
+        END,
+    ]
     return "\n".join(bench) + "\n", "\n".join(cal) + "\n", summary
 
 
@@ -414,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="Also write the summary as JSON here.")
     ap.add_argument("--calibration", type=Path, default=ROOT / "docs" / "plan_calibration.md")
     ap.add_argument("--timeout", type=float, default=1800, help="Per case, seconds.")
+    ap.add_argument(
+        "--from-log", type=Path, help="Measure nothing: rebuild the report from an earlier run's log (same args)."
+    )
     a = ap.parse_args(argv)
     if a.case:
         print(json.dumps(measure(Case.model_validate_json(a.case))))
@@ -424,20 +444,30 @@ def main(argv: list[str] | None = None) -> int:
         for m in filter(None, a.methods.split(","))
         for c in (False, True)
     ]
+    ref_cases = (
+        []
+        if a.no_ref
+        else [
+            Case(role="ref", chunked=c, rows=a.ref_rows, prompt_len=128, completion_len=384, **common)
+            for c in (False, True)
+        ]
+    )
     rows: list[tuple[Case, dict[str, float]]] = []
-    with tempfile.TemporaryDirectory(prefix="burstrl-chunk-bench-") as d:
-        if not a.no_ref:
-            save_ref_model(a.layers, Path(d))
-            cases += [
-                Case(role="ref", chunked=c, rows=a.ref_rows, prompt_len=128, completion_len=384, model_dir=d, **common)
-                for c in (False, True)
-            ]
-        for case in cases:
-            t0 = time.time()
-            r = run_case(case, a.timeout)
-            print(f"{label(case)} / {side(case)}: {json.dumps(r)} ({time.time() - t0:.0f}s)", file=sys.stderr)
-            rows.append((case, r))
     command = " ".join([".venv/bin/python bench/chunked_logprobs.py", *(argv if argv is not None else sys.argv[1:])])
+    if a.from_log:
+        text = a.from_log.read_text()
+        found = [json.loads(m) for m in re.findall(r"^[^\n]* / [^\n]*: (\{.*\}) \(\d+s\)$", text, flags=re.M)]
+        rows = list(zip(cases + ref_cases, found, strict=True))
+        command = re.search(r"^`(\.venv/bin/python bench/chunked_logprobs\.py[^`]*)`$", text, flags=re.M).group(1)  # type: ignore[union-attr]
+    else:
+        with tempfile.TemporaryDirectory(prefix="burstrl-chunk-bench-") as d:
+            if ref_cases:
+                save_ref_model(a.layers, Path(d))
+            for case in cases + [c.model_copy(update={"model_dir": d}) for c in ref_cases]:
+                t0 = time.time()
+                r = run_case(case, a.timeout)
+                print(f"{label(case)} / {side(case)}: {json.dumps(r)} ({time.time() - t0:.0f}s)", file=sys.stderr)
+                rows.append((case, r))
     bench, cal, summary = report(rows, command)
     print(bench)
     if a.out:
