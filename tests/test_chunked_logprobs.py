@@ -425,3 +425,77 @@ def test_models_the_chunked_head_cannot_run_are_refused_at_start_up(tiny_model: 
     with pytest.raises(UnsupportedModel, match="not a plain nn.Linear.*leave lm_head out of the LoRA targets"):
         Learner(lora_head, spec, pad_id=0, grad_clip=1.0)
     Learner(get_peft_model(_qwen(), LoraConfig(r=2, target_modules="all-linear")), spec, pad_id=0, grad_clip=1.0)
+
+
+def test_the_learner_never_holds_a_whole_pass_of_logits() -> None:
+    """Every tensor any op makes during a training step (forward, backward, optimizer) is far
+    smaller than one pass's [tokens, vocab] logits: the chunked head is the trainer's path."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from services.trainer.learner import Learner
+    from shared.job import JobSpec
+    from shared.schema import Completion, GroupMsg, pack_f32, pack_i32, pack_u8
+
+    vocab, chunk = 5000, 8
+    model = _qwen(vocab=vocab)
+    spec = JobSpec(base_model="x", group_size=2, batch_size=1, algorithm={"entropy_coef": 0.01})
+    learner = Learner(model, spec, pad_id=0, grad_clip=1.0, micro_batch_tokens=0, logits_chunk=chunk)
+    gen = torch.Generator().manual_seed(6)
+    comps = [
+        Completion(
+            token_ids=pack_i32(torch.randint(1, vocab, (50,), generator=gen).tolist()),
+            logprobs=pack_f32([-8.0] * 50),
+            loss_mask=pack_u8([1] * 50),
+            text="",
+            finish_reason="length",
+            reward=float(i),
+        )
+        for i in range(2)
+    ]
+    group = GroupMsg(
+        job_id="j",
+        group_id="g",
+        item_id="i",
+        prompt="p",
+        prompt_ids=pack_i32([1, 2, 3, 4]),
+        policy_version=0,
+        completions=comps,
+        stage="ready",
+    )
+
+    class Largest(TorchDispatchMode):
+        most = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, tuple | list) else [out]:
+                if isinstance(t, torch.Tensor):
+                    Largest.most = max(Largest.most, t.numel())
+            return out
+
+    with Largest():
+        learner.train_batch([group])
+    pass_logits = 2 * 53 * vocab  # rows x (prompt + completion - 1) positions x vocab
+    assert Largest.most < pass_logits / 2, (Largest.most, pass_logits)
+    assert Largest.most >= chunk * vocab  # the chunks themselves were seen
+
+
+def test_calibration_section_is_replaced_in_place(tmp_path: Path) -> None:
+    """bench/chunked_logprobs.py owns its marked section of docs/plan_calibration.md; the
+    planner's own bench (which rewrites its table) keeps it."""
+    import importlib.util
+
+    def load(name: str):  # noqa: ANN202
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "bench" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(mod)  # type: ignore[union-attr]
+        return mod
+
+    bench, cal = load("chunked_logprobs"), load("plan_calibration")
+    page = tmp_path / "plan_calibration.md"
+    page.write_text("# table\n\n| a |\n")
+    bench.write_calibration(f"{bench.BEGIN}\nfirst\n{bench.END}\n", page)
+    bench.write_calibration(f"{bench.BEGIN}\nsecond\n{bench.END}\n", page)
+    text = page.read_text()
+    assert text.count(bench.BEGIN) == 1 and "second" in text and "first" not in text and text.startswith("# table")
+    assert cal.kept_sections(page) == f"\n{bench.BEGIN}\nsecond\n{bench.END}\n"
