@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import resource
 import subprocess
 import sys
@@ -287,12 +288,22 @@ def write_report(rows: list[tuple[Case, dict[str, float]]], path: Path, command:
         "",
         f"Largest absolute error: **{worst:.1%}** (tests assert the stated tolerance, see docs/plan.md).",
     ]
-    # bench/gpu_check.py owns the GPU section at the end of the file: keep it.
+    # Other benches own parts of this page: marked sections (kept_sections, e.g.
+    # bench/chunked_logprobs.py) and bench/gpu_check.py's GPU section at the end. Keep both.
     gpu = "## GPU (CUDA, bf16)"
     old = path.read_text() if path.exists() else ""
     tail = ("\n" + gpu + old.split(gpu, 1)[1]) if gpu in old else ""
-    path.write_text("\n".join(lines) + "\n" + tail)
+    tail = re.sub(r"\n?<!-- ([\w-]+):begin -->.*?<!-- \1:end -->\n?", "\n", tail, flags=re.S)
+    path.write_text("\n".join(lines) + "\n" + kept_sections(path) + tail)
     return worst
+
+
+def kept_sections(path: Path) -> str:
+    """Sections other benches write into the page (between `<!-- name:begin -->` and
+    `<!-- name:end -->`, e.g. bench/chunked_logprobs.py): kept when this table is rewritten."""
+    text = path.read_text() if path.exists() else ""
+    found = re.finditer(r"<!-- ([\w-]+):begin -->.*?<!-- \1:end -->\n?", text, flags=re.S)
+    return "".join("\n" + m.group(0) for m in found)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,6 +99,12 @@ def items(full: bool, out: Path) -> list[tuple[str, list[str], Path | None]]:
             b / "trainer_passes.md",
         ),
         (
+            "chunked_logprobs",
+            [PY, "bench/chunked_logprobs.py", "--out", str(b / "chunked_logprobs.md")]
+            + ["--json", str(b / "chunked_logprobs.json")],
+            b / "chunked_logprobs.md",
+        ),
+        (
             "generation",
             [PY, "bench/generation.py", "--rounds", "3" if full else "2", "--out", str(b / "generation.md")],
             b / "generation.md",
@@ -237,6 +243,16 @@ def summary(b: Path, cmds: dict[str, str]) -> list[str]:
         if m := re.search(r"\| (\d+) \| [0-9.]+ \| \*\*([0-9.]+x)\*\*", text):
             rows.append(
                 (f"trainer step, micro_batch_tokens {m.group(1)} vs one padded pass", m.group(2), "", "trainer_passes")
+            )
+    if "chunked_logprobs" in cmds and (d := load("chunked_logprobs.json")):
+        for case, r in d.items():
+            rows.append(
+                (
+                    f"peak memory, chunked / unchunked log-probs ({case}, Qwen2.5-0.5B shape)",
+                    f"{r['ratio']:.2f}x ({r['chunked_mib']:.0f} vs {r['unchunked_mib']:.0f} MiB)",
+                    "",
+                    "chunked_logprobs",
+                )
             )
     if "generation" in cmds and (d := load("generation.json")):
         for n in sorted(d["hf"], key=int):

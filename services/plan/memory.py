@@ -235,8 +235,9 @@ class ServeSettings(BaseModel):
 
 
 def serve_weight_bytes(shape: ModelShape, weights: str) -> float:
-    """Quantizers (GPTQ/AWQ/int8) leave embeddings, lm_head and norms in 16 bit."""
-    return shape.linear_params * WEIGHT_BYTES[weights] + (shape.n_params - shape.linear_params) * 2
+    """Quantizers (GPTQ/AWQ/int8) leave embeddings, lm_head and norms in 16 bit (fp32 keeps all in fp32)."""
+    rest = 4 if weights == "fp32" else 2
+    return shape.linear_params * WEIGHT_BYTES[weights] + (shape.n_params - shape.linear_params) * rest
 
 
 def kv_bytes_per_group(shape: ModelShape, w: Workload, s: ServeSettings) -> float:
@@ -292,9 +293,11 @@ def ref_memory(
     if logits_chunk:
         n_logit = min(n_logit, logits_chunk)
     weight = 0.0 if share_weights else serve_weight_bytes(shape, weights)
-    # No autograd: only one layer's temporaries live, plus 16-bit logits, fp32 copy, log-softmax.
-    layer_tmp = n * 2 * (2 * shape.hidden_size + shape.q_dim + 2 * shape.kv_dim + 3 * shape.intermediate_size)
-    logits = n_logit * shape.vocab_size * (2 + 4 + 4)
+    # No autograd: only one layer's temporaries live, plus the logits in the compute dtype, their
+    # fp32 copy and the log-softmax. fp32 weights (the CPU scorer) compute in fp32: no copy.
+    a = 4 if weights == "fp32" else 2
+    layer_tmp = n * a * (2 * shape.hidden_size + shape.q_dim + 2 * shape.kv_dim + 3 * shape.intermediate_size)
+    logits = n_logit * shape.vocab_size * (a + (4 if a < 4 else 0) + 4)
     comp = {"weights": weight, "overhead": 0.0 if share_weights else overhead_gb * GB}
     total = sum(comp.values())
     return RoleMemory(role="ref", components=comp, phases={"forward": total + max(layer_tmp, logits)})

@@ -83,9 +83,19 @@ class HFScorer:
 
     mode = "hf"
 
-    def __init__(self, model: str, device: str = "cpu", dtype: str = "auto", max_batch_tokens: int = 8192) -> None:
+    def __init__(
+        self,
+        model: str,
+        device: str = "cpu",
+        dtype: str = "auto",
+        max_batch_tokens: int | None = None,
+        logits_chunk: int = 0,
+    ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
+
+        from shared.ml.chunked_logprobs import check_model, resolve_logits_chunk
+        from shared.ml.pass_tokens import ref_pass_tokens
 
         # The trainer's choice (services/trainer/policy.py): bf16 on GPUs, fp32 on CPU.
         if dtype == "auto":
@@ -95,11 +105,17 @@ class HFScorer:
         self.model = model
         self.device = device
         self.dtype = str(tdtype).removeprefix("torch.")
-        self.max_batch_tokens = max_batch_tokens
         self.net = AutoModelForCausalLM.from_pretrained(model, dtype=tdtype).to(device).eval()
         cfg = self.net.config
         self.max_len = int(getattr(cfg, "max_position_embeddings", None) or 1 << 30)
         self.vocab_size = int(self.net.get_input_embeddings().weight.shape[0])
+        # Log-probs from the head a chunk of tokens at a time (shared/ml/chunked_logprobs.py), so a
+        # pass never holds fp32 [tokens, vocab] logits; a model it cannot run is refused here.
+        check_model(self.net)
+        self.logits_chunk = resolve_logits_chunk(logits_chunk, int(self.net.get_output_embeddings().weight.shape[0]))
+        self.max_batch_tokens = ref_pass_tokens(cfg, setting=max_batch_tokens, logits_chunk=logits_chunk)
+        if max_batch_tokens is None:
+            log.info("max_batch_tokens unset: %d from %s's shape", self.max_batch_tokens, model)
 
     def score(self, seqs: list[Seq]) -> list[list[float]]:
 
@@ -122,7 +138,7 @@ class HFScorer:
     def _run(self, seqs: list[Seq], rows: list[int], out: list[list[float]]) -> None:
         import torch
 
-        from shared.ml.logprobs import token_logprobs
+        from shared.ml.chunked_logprobs import chunked_token_logprobs, head_params, model_hidden
 
         length = max(len(seqs[i][0]) + len(seqs[i][1]) for i in rows)
         ids = torch.zeros((len(rows), length), dtype=torch.long)
@@ -131,14 +147,23 @@ class HFScorer:
             p, c = seqs[i]
             ids[r, : len(p) + len(c)] = torch.tensor(p + c)
             attn[r, : len(p) + len(c)] = 1
+        # Only completion tokens are scored: position j predicts token j + 1, so row r's
+        # completion is predicted by positions len(p)-1 .. len(p)+len(c)-2.
+        row_idx = torch.cat([torch.full((len(seqs[i][1]),), r) for r, i in enumerate(rows)])
+        pos_idx = torch.cat([torch.arange(len(seqs[i][1])) + len(seqs[i][0]) - 1 for i in rows])
         with torch.no_grad():
-            # Exactly the trainer's computation (learner.Learner._forward): logits of the
-            # right-padded batch, shifted, log-softmax in fp32.
-            logits = self.net(input_ids=ids.to(self.device), attention_mask=attn.to(self.device)).logits[:, :-1]
-            lp = token_logprobs(logits, ids[:, 1:].to(self.device)).float().cpu()
-        for r, i in enumerate(rows):
-            p, c = seqs[i]
-            out[i] = lp[r, len(p) - 1 : len(p) - 1 + len(c)].tolist()
+            # The trainer's computation (learner.Learner._forward): the right-padded batch's final
+            # hidden states, the head's logits chunk by chunk, log-softmax in fp32.
+            hidden = model_hidden(self.net, ids.to(self.device), attn.to(self.device))
+            weight, bias = head_params(self.net)
+            sel = hidden[row_idx.to(self.device), pos_idx.to(self.device)]  # [completion tokens, H]
+            targets = ids[row_idx, pos_idx + 1].to(self.device)
+            lp = chunked_token_logprobs(sel, weight, targets, chunk=self.logits_chunk, bias=bias).cpu()
+        at = 0
+        for i in rows:
+            n = len(seqs[i][1])
+            out[i] = lp[at : at + n].tolist()
+            at += n
 
     def check(self) -> None:
         return None
@@ -298,7 +323,9 @@ def build_scorer(settings) -> RefScorer:  # noqa: ANN001 (RefSettings; imported 
     """The engine the settings name; raises ScorerUnavailable when it cannot start."""
     if settings.engine == "hf":
         try:
-            return HFScorer(settings.model, settings.device, settings.dtype, settings.max_batch_tokens)
+            return HFScorer(
+                settings.model, settings.device, settings.dtype, settings.max_batch_tokens, settings.logits_chunk
+            )
         except (OSError, ValueError) as e:  # unknown path or hub id, bad config
             raise ScorerUnavailable(f"cannot load {settings.model!r} with transformers: {e}") from e
     if settings.engine == "vllm":

@@ -49,8 +49,11 @@ class RefSettings(CommonSettings):
         description="Tokenizer checked against each job's base model's; empty: the model's own (remote: if loadable).",
     )
     batch_groups: int = Field(16, ge=1, description="Groups read and scored together.")
-    max_batch_tokens: int = Field(
-        8192, ge=16, description="hf engine: padded tokens per forward pass (rows x longest sequence)."
+    max_batch_tokens: int | None = Field(
+        None,
+        ge=16,
+        description="hf engine: padded tokens per forward pass (rows x longest sequence). Unset: sized from "
+        "the model's shape for a 1 GiB activation budget (shared/ml/pass_tokens.py).",
     )
     logits_chunk: int = Field(
         0,

@@ -26,7 +26,7 @@ from services.trainer.losses import LossConfig, lr_lambda, policy_loss
 from services.trainer.optim import build_optimizer
 from services.trainer.stats import MEAN_KEYS, finish
 from shared.job import JobSpec
-from shared.ml.logprobs import token_logprobs_and_entropy
+from shared.ml.chunked_logprobs import check_model, head_params, model_token_logprobs, resolve_logits_chunk
 from shared.schema import GroupMsg
 
 
@@ -100,10 +100,16 @@ class Learner:
         rank: int = 0,
         micro_batch_tokens: int = 0,
         optimizer: str = "adamw",
+        logits_chunk: int = 0,
     ) -> None:
         self.model, self.spec, self.pad_id, self.grad_clip, self.device = model, spec, pad_id, grad_clip, device
         self.world, self.rank = world, rank
         self.micro_batch_tokens = micro_batch_tokens
+        # Log-probs come from the head a chunk of tokens at a time (shared/ml/chunked_logprobs.py):
+        # fp32 [tokens, vocab] logits never exist for a whole pass. A model it cannot run is
+        # refused here, at start-up, not at the first batch.
+        check_model(model)
+        self.logits_chunk = resolve_logits_chunk(logits_chunk, int(head_params(model)[0].shape[0]))
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.opt = build_optimizer(self.params, optimizer, lr=spec.learning_rate)  # adamw | adamw8bit
         a = spec.algorithm
@@ -118,8 +124,9 @@ class Learner:
         attn = b.attention_mask[idx]
         length = int(attn.sum(dim=1).max())
         ids = b.input_ids[idx, :length].to(self.device)
-        logits = self.model(input_ids=ids, attention_mask=attn[:, :length].to(self.device)).logits[:, :-1]
-        logp, ent = token_logprobs_and_entropy(logits, ids[:, 1:])
+        logp, ent = model_token_logprobs(
+            self.model, ids, attn[:, :length].to(self.device), chunk=self.logits_chunk, with_entropy=True
+        )
         return logp, ent, length - 1
 
     def _chunks(self, lengths: list[int], rows: list[int]) -> list[list[int]]:

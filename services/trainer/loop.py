@@ -56,6 +56,7 @@ from shared.bus import Bus
 from shared.job import JobRecord, JobState, load_job, set_state
 from shared.lease import Lease, LeaseKeeper, LeaseLost
 from shared.metrics import read_ledger, record_point
+from shared.ml.pass_tokens import trainer_pass_tokens
 from shared.policy import read_manifest
 from shared.schema import GroupMsg, decode
 from shared.service import ServiceRuntime
@@ -111,8 +112,9 @@ class JobTrainer:
             device=self.device,
             world=self.comm.world,
             rank=self.comm.rank,
-            micro_batch_tokens=settings.micro_batch_tokens,
+            micro_batch_tokens=self._pass_tokens(settings),
             optimizer=settings.optimizer,
+            logits_chunk=settings.logits_chunk,
         )
         self.state = TrainState()
         self.ckpt_groups: set[str] = set()  # the newest checkpoint's interval: may be redelivered
@@ -149,6 +151,18 @@ class JobTrainer:
             published_at=self._published_at,
         )
         self._restore()
+
+    def _pass_tokens(self, settings: TrainerSettings) -> int:
+        """The user's micro_batch_tokens, else one sized from the model's shape."""
+        n = trainer_pass_tokens(
+            self.model.config,
+            setting=settings.micro_batch_tokens,
+            logits_chunk=settings.logits_chunk,
+            gradient_checkpointing=settings.gradient_checkpointing,
+        )
+        if settings.micro_batch_tokens is None:
+            log.info("job %s: micro_batch_tokens unset: %d from the model's shape", self.rec.id, n)
+        return n
 
     # -- resume ----------------------------------------------------------------------
     def _restore(self) -> None:
@@ -460,7 +474,7 @@ class JobTrainer:
 
     # -- publishing ------------------------------------------------------------------
     def _publish(self, files: dict[str, bytes]) -> None:
-        probe = compute_probe(self.model, self.tok, self.rec.spec.task)
+        probe = compute_probe(self.model, self.tok, self.rec.spec.task, self.s.logits_chunk)
         if at := self.publisher.publish(self.state.step, files, probe):
             self.progress.published(self.state.step, at)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from shared.domain.tasks import get_task
+from shared.ml.chunked_logprobs import head_params, model_token_logprobs, resolve_logits_chunk
 from shared.policy import make_probe
 
 # Fixed, so every version of a job is probed on the same sequence. A completion that is
@@ -26,17 +27,17 @@ def probe_text(task: str) -> str:
 
 
 @torch.no_grad()
-def compute_probe(model, tok, task: str) -> dict[str, list]:  # noqa: ANN001 (peft model, HF tokenizer)
-    """Token ids of the probe text and each token's log-prob after the first, in fp32."""
+def compute_probe(model, tok, task: str, logits_chunk: int = 0) -> dict[str, list]:  # noqa: ANN001 (peft model, HF tokenizer)
+    """Token ids of the probe text and each token's log-prob after the first, in fp32, from the
+    head `logits_chunk` tokens at a time (0: auto), as the trainer's passes compute them."""
     ids = tok(probe_text(task), add_special_tokens=True)["input_ids"]
     was_training = model.training
     model.eval()  # no dropout: the engine has none either
     try:
         device = next(model.parameters()).device
-        logits = model(input_ids=torch.tensor([ids], device=device)).logits[0, :-1].float()
-        logp = torch.log_softmax(logits, dim=-1)
-        target = torch.tensor(ids[1:], device=device)
-        values = logp.gather(-1, target[:, None])[:, 0].cpu().tolist()
+        chunk = resolve_logits_chunk(logits_chunk, int(head_params(model)[0].shape[0]))
+        logp = model_token_logprobs(model, torch.tensor([ids], device=device), chunk=chunk)
+        values = logp[0].cpu().tolist()
     finally:
         model.train(was_training)
     return make_probe(ids, values)

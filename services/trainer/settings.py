@@ -66,18 +66,18 @@ class TrainerSettings(CommonSettings):
         30.0, gt=0.0, description="Expected time between SIGTERM and SIGKILL (pre-emption); only for warnings."
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
-    micro_batch_tokens: int = Field(
-        4096,
+    micro_batch_tokens: int | None = Field(
+        None,
         ge=0,
         description=(
             "Padded tokens per forward/backward pass: rows sorted by length, run in passes of at most this "
             "many (rows x the pass's longest row), gradients accumulated; the update is the same. Cuts "
-            "padding waste on uneven completions and bounds activation memory. 0: one pass per mini-batch."
+            "padding waste on uneven completions and bounds activation memory. 0: one pass per mini-batch. "
+            "Unset: sized from the model's shape for a 2 GiB activation budget (shared/ml/pass_tokens.py)."
         ),
     )
     # The memory savers `burstrl plan` names (issue 22). Their names, types and meanings are fixed
-    # here so the planner's vocabulary test can hold it to them; the trainer's implementation of
-    # them lands separately (the "savers" work).
+    # here so the planner's vocabulary test can hold it to them.
     logits_chunk: int = Field(
         0,
         ge=0,

@@ -71,8 +71,11 @@ def grads_and_stats(
     spec: JobSpec, gs: list[GroupMsg], noise_at: torch.Tensor | None
 ) -> tuple[list, dict, torch.Tensor]:
     """One Learner batch; returns parameter grads (captured before the optimizer step),
-    the step's stats (with its loss), and d loss / d logits. `noise_at` [N, T] adds noise
-    to the logits where it is 1 (to show positions that must not matter do not)."""
+    the step's stats (with its loss), and d loss / d final hidden states. `noise_at` [N, T]
+    adds noise to the final hidden states where it is 1 (to show positions that must not
+    matter do not). The head maps each position's hidden state to that position's logits
+    alone, so a zero gradient there is a zero gradient on its logits: the learner computes
+    log-probs from the hidden states in chunks and never holds the whole logits tensor."""
     model = tiny_model()
     learner = Learner(model, spec, pad_id=0, grad_clip=1e9)
     captured: dict = {}
@@ -82,17 +85,17 @@ def grads_and_stats(
             noise = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)) * 5.0
             out = out + noise * noise_at[:, : out.shape[1], None]
         out.retain_grad()
-        captured["logits"] = out
+        captured["hidden"] = out
         return out
 
-    model.lm_head.register_forward_hook(hook)
+    model.model.norm.register_forward_hook(hook)
     learner.opt.step = lambda *a, **k: captured.setdefault("grads", [p.grad.clone() for p in learner.params])  # type: ignore[method-assign]
     res = learner.train_batch(gs)
-    return captured["grads"], res.stats, captured["logits"].grad
+    return captured["grads"], res.stats, captured["hidden"].grad
 
 
 def grads_and_loss(
     spec: JobSpec, gs: list[GroupMsg], noise_at: torch.Tensor | None
 ) -> tuple[list, float, torch.Tensor]:
-    grads, stats, dlogits = grads_and_stats(spec, gs, noise_at)
-    return grads, stats["loss"], dlogits
+    grads, stats, dhidden = grads_and_stats(spec, gs, noise_at)
+    return grads, stats["loss"], dhidden

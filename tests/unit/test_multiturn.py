@@ -1,10 +1,10 @@
 """Multi-turn trajectories in the trainer: tool/observation tokens carry no gradient.
 
 Checked on the loss itself, through the trainer's real path (collate -> Learner ->
-policy_loss, with the KL and entropy terms on): adding noise to the logits at every
-position whose target is an observation token (or prompt/padding) changes neither the
-loss nor any parameter's gradient, bit for bit, and the logits' gradient there is exactly
-zero; the same noise at a generated token's position does change them (the check is live).
+policy_loss, with the KL and entropy terms on): adding noise to the final hidden states
+(the head's input, position by position) at every position whose target is an observation
+token (or prompt/padding) changes neither the loss nor any parameter's gradient, bit for
+bit, and the gradient there is exactly zero; the same noise at a generated token's position does change them (the check is live).
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ def test_observation_tokens_carry_no_gradient(aggregation: str) -> None:
             assert b.mask[row, len(PROMPT) - 1 : len(PROMPT) - 1 + len(lm)].tolist() == lm and 0 in lm
             row += 1
 
-    g0, loss0, dlogits = grads_and_loss(spec, gs, None)
+    g0, loss0, dhidden = grads_and_loss(spec, gs, None)
     g1, loss1, _ = grads_and_loss(spec, gs, untrained)
     assert loss0 == loss1
     assert all(torch.equal(a, c) for a, c in zip(g0, g1, strict=True))
-    # d loss / d logits is exactly zero wherever the target is not a generated token
-    assert torch.count_nonzero(dlogits[untrained.bool()]) == 0
-    assert torch.count_nonzero(dlogits[~untrained.bool()]) > 0
+    # d loss / d hidden (so d loss / d logits) is exactly zero wherever the target is not a generated token
+    assert torch.count_nonzero(dhidden[untrained.bool()]) == 0
+    assert torch.count_nonzero(dhidden[~untrained.bool()]) > 0
 
     # Control: the same noise at one generated token's position does change the gradient.
     trained = torch.zeros(n, length)

@@ -217,12 +217,12 @@ def test_observation_tokens_carry_no_gradient_with_turn_advantages(aggregation: 
     n, length = b.input_ids.shape
     untrained = torch.ones(n, length)
     untrained[:, : length - 1] = 1.0 - b.mask
-    g0, st0, dlogits = grads_and_stats(spec, gs, None)
+    g0, st0, dhidden = grads_and_stats(spec, gs, None)
     g1, st1, _ = grads_and_stats(spec, gs, untrained)
     assert st0["loss"] == st1["loss"]
     assert all(torch.equal(a, c) for a, c in zip(g0, g1, strict=True))
-    assert torch.count_nonzero(dlogits[untrained.bool()]) == 0
-    assert torch.count_nonzero(dlogits[~untrained.bool()]) > 0
+    assert torch.count_nonzero(dhidden[untrained.bool()]) == 0
+    assert torch.count_nonzero(dhidden[~untrained.bool()]) > 0
     assert st0["turns_mean"] == 3.0  # the metric the trainer's point carries
 
     # Control: noise at one generated token's position does change the gradient.
