@@ -478,24 +478,3 @@ def test_the_learner_never_holds_a_whole_pass_of_logits() -> None:
     pass_logits = 2 * 53 * vocab  # rows x (prompt + completion - 1) positions x vocab
     assert Largest.most < pass_logits / 2, (Largest.most, pass_logits)
     assert Largest.most >= chunk * vocab  # the chunks themselves were seen
-
-
-def test_calibration_section_is_replaced_in_place(tmp_path: Path) -> None:
-    """bench/chunked_logprobs.py owns its marked section of docs/plan_calibration.md; the
-    planner's own bench (which rewrites its table) keeps it."""
-    import importlib.util
-
-    def load(name: str):  # noqa: ANN202
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "bench" / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        spec.loader.exec_module(mod)  # type: ignore[union-attr]
-        return mod
-
-    bench, cal = load("chunked_logprobs"), load("plan_calibration")
-    page = tmp_path / "plan_calibration.md"
-    page.write_text("# table\n\n| a |\n")
-    bench.write_calibration(f"{bench.BEGIN}\nfirst\n{bench.END}\n", page)
-    bench.write_calibration(f"{bench.BEGIN}\nsecond\n{bench.END}\n", page)
-    text = page.read_text()
-    assert text.count(bench.BEGIN) == 1 and "second" in text and "first" not in text and text.startswith("# table")
-    assert cal.kept_sections(page) == f"\n{bench.BEGIN}\nsecond\n{bench.END}\n"
