@@ -130,10 +130,11 @@ def _full_to_shards(module: nn.Module, state_dict: dict[str, Any], prefix: str, 
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    """A CPU copy of the whole tensor (a collective for a sharded one: every rank calls it)."""
+    """A CPU copy of the whole tensor (a collective for a sharded one: every rank calls it).
+    A copy even of a CPU tensor: AdamW's `step` counters change in place at the next update."""
     if isinstance(t, DTensor):
-        t = t.full_tensor()
-    return t.detach().cpu()
+        return t.full_tensor().detach().cpu()
+    return t.detach().to("cpu", copy=True)
 
 
 def full_trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
