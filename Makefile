@@ -34,7 +34,7 @@ images: install-containers
 
 # The inference box, a burst trainer over TLS, kills and restarts, all in containers (minutes).
 test-containers: $(STAMP) images
-	$(BIN)/python -m pytest -q -x -m containers tests/test_containers.py
+	$(BIN)/python -m pytest -q -x -m containers tests/e2e/test_containers.py
 
 demo: $(STAMP)
 	$(BIN)/burstrl demo

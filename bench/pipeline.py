@@ -31,6 +31,9 @@ Two layouts of the same services on one machine, each measured both ways:
 
 Also the home of `Stack` and `run_job`, used by the other stack benchmarks (staleness,
 scaling, trl_compare) and by bench/chaos.py.
+
+Over ~400 lines: the benchmarks' shared stack (services as processes, job submission, curves)
+is one harness that chaos, scaling, staleness and backlog all drive.
 """
 
 from __future__ import annotations

@@ -37,7 +37,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.rollout_common import (  # noqa: E402
+from shared import keys  # noqa: E402
+from shared.bus import FIELD  # noqa: E402
+from shared.metrics import read_evals, read_points  # noqa: E402
+from shared.policy import read_manifest  # noqa: E402
+from shared.schema import PromptMsg, encode  # noqa: E402
+from tests.support.rollout import (  # noqa: E402
     add_job,
     bench_engine,
     bench_stack,
@@ -46,11 +51,6 @@ from bench.rollout_common import (  # noqa: E402
     percentile,
     publish,
 )
-from shared import keys  # noqa: E402
-from shared.bus import FIELD  # noqa: E402
-from shared.metrics import read_evals, read_points  # noqa: E402
-from shared.policy import read_manifest  # noqa: E402
-from shared.schema import PromptMsg, encode  # noqa: E402
 
 MODEL = ROOT / ".burstrl" / "models" / "tiny-sft"
 

@@ -28,11 +28,11 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from bench.rollout_common import add_job, bench_engine, bench_stack, lora_versions, make_worker, publish  # noqa: E402
 from shared import keys  # noqa: E402
 from shared.bus import FIELD  # noqa: E402
 from shared.domain.tasks import get_task  # noqa: E402
 from shared.schema import PromptMsg, encode  # noqa: E402
+from tests.support.rollout import add_job, bench_engine, bench_stack, lora_versions, make_worker, publish  # noqa: E402
 
 MODEL = ROOT / ".burstrl" / "models" / "tiny-sft"
 

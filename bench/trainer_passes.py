@@ -5,7 +5,7 @@ model with HF generate, so lengths are as uneven as in a job), then `Learner.tra
 on it with `micro_batch_tokens` 0 (one pass padded to the longest row, the trainer before
 this setting) and the default, alternating, each from the same fresh LoRA policy. Reports
 the median seconds per step and the ratio; the update is the same either way
-(tests/test_trainer_modes.py checks that).
+(tests/unit/test_trainer_modes.py checks that).
 
     .venv/bin/python bench/trainer_passes.py [--task countup] [--rounds 5] [--budgets 0,4096]
 """

@@ -23,6 +23,9 @@ TRL's default transformers generation.
 
     .venv/bin/python bench/trl_compare.py [--steps 20] [--threshold 0.3] [--staleness 1,2] [--out docs/bench/trl.md]
     .venv/bin/python bench/trl_compare.py --side trl --trl-mode colocate   # one side only
+
+Over ~400 lines: both sides of the comparison (TRL's GRPOTrainer and burstrl on the same
+workloads) live in one file so that their settings can be checked against each other.
 """
 
 from __future__ import annotations

@@ -12,9 +12,16 @@ Guarantees (docs/architecture.md, invariants 2, 3, 8):
   goes to the job's dead-letter stream with its reason, and the stage carries on;
 - `trim_acked()` deletes only entries every group has acknowledged, so Redis memory is
   bounded by the in-flight window, not by the length of the run;
+- `leave()` takes a consumer out of its group for good (a burst-side replica whose burst
+  ended): its pending entries go to a live peer, and the consumer is deleted only once it
+  holds none, so nothing it was handed stays pending forever;
 - `spill()` moves ready entries into the backlog's disk tier (shared/backlog.py): once their
   segment is in the store, one script checks they are still pending to the spiller, XACKs
   them, bumps the ledger's `spilled` and indexes the segment, so each is spilled once.
+
+Over ~400 lines on purpose: this is the one place for stream handling (docs/architecture.md,
+invariant on the bus), so every read, claim, settle and dead-letter path is here; the Lua
+scripts are in shared/bus_scripts.py.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import msgspec
 import redis
 
 from shared import keys
-from shared.bus_scripts import ACK_LUA, FENCED_ACK_LUA, SETTLE_LUA, SPILL_LUA, TRIM_LUA
+from shared.bus_scripts import ACK_LUA, FENCED_ACK_LUA, LEAVE_LUA, SETTLE_LUA, SPILL_LUA, TRIM_LUA
 from shared.lease import Fence, LeaseLost
 from shared.schema import DeadLetter, Message, decode, encode_dead
 
@@ -54,6 +61,16 @@ class BusStats:
 
     read_s: float = 0.0  # reads that found data waiting (excludes blocking for new data)
     settle_s: float = 0.0
+
+
+@dataclass
+class Left:
+    """What `Bus.leave` did: entries handed to peers, entries still held (no live peer: taken
+    by the next reader), and groups left (the consumer deleted)."""
+
+    handed: int = 0
+    held: int = 0
+    left: int = 0
 
 
 def _s(x: bytes | str) -> str:
@@ -103,6 +120,7 @@ class Bus:
         self._ack_script = r.register_script(ACK_LUA)
         self._fenced_ack_script = r.register_script(FENCED_ACK_LUA)
         self._spill_script = r.register_script(SPILL_LUA)
+        self._leave_script = r.register_script(LEAVE_LUA)
 
     @staticmethod
     def ensure_groups(r: redis.Redis, job_id: str) -> None:
@@ -241,6 +259,48 @@ class Bus:
                 )
                 out += mine
         return out
+
+    def leave(self, streams: Iterable[str], *, batch: int = 500) -> Left:
+        """Leave this group for good: call once this consumer reads no more (its process is
+        ending). Per stream, its pending entries go to a live peer consumer (one whose replica
+        still heartbeats, named `owner_prefix` + replica), which redoes them from its own
+        pending list; then the consumer is deleted from the group. With no live peer, its
+        entries stay pending to it, and the first replica that reads the stream takes them at
+        once, since this replica's heartbeat is gone (`_take_from_gone`): nothing is lost, and
+        nothing waits out `claim_idle_ms`."""
+        out = Left()
+        for stream in streams:
+            peer, moved = self._live_peer(stream), 0
+            while True:
+                handed, held, deleted = (
+                    int(x) for x in self._leave_script(keys=[stream], args=[self.group, self.consumer, peer, batch])
+                )
+                moved += handed
+                if deleted or not handed:  # done, or no peer to hand the rest to
+                    out.held += held
+                    out.left += bool(deleted)
+                    break
+            out.handed += moved
+            if moved or held:
+                log.info("left %s: %d pending entries handed to %s, %d still held", stream, moved, peer or "-", held)
+        return out
+
+    def _live_peer(self, stream: str) -> str:
+        """Another consumer of this group whose replica heartbeats ("" when none): the fewest
+        pending entries first, so the work spreads."""
+        if not self.heartbeat_role:
+            return ""
+        try:
+            consumers = self.r.xinfo_consumers(stream, self.group)
+        except redis.ResponseError:  # no such stream or group
+            return ""
+        for c in sorted(consumers, key=lambda c: int(c["pending"])):
+            name = _s(c["name"])
+            if name == self.consumer or not name.startswith(self.owner_prefix):
+                continue
+            if self.r.exists(keys.service(self.heartbeat_role, name[len(self.owner_prefix) :])):
+                return name
+        return ""
 
     def _take_from_gone(self, stream: str, count: int) -> list:
         """Entries pending to consumers whose service heartbeat has expired: taken now.

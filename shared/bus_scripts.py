@@ -6,7 +6,8 @@ bus's Python reads in one sitting.
 - ACK_LUA / FENCED_ACK_LUA: acknowledge a batch with one count each (fenced: only the
   lease holder, docs/architecture.md invariant 10);
 - SPILL_LUA: move entries from the ready stream into an indexed backlog segment, all or nothing;
-- TRIM_LUA: delete what every consumer group has acknowledged.
+- TRIM_LUA: delete what every consumer group has acknowledged;
+- LEAVE_LUA: a consumer leaving its group for good hands its pending entries to a live peer.
 """
 
 from __future__ import annotations
@@ -124,4 +125,29 @@ for _, g in ipairs(groups) do
 end
 local minid = string.format('%d-%d', best_ms, best_seq)
 return {redis.call('XTRIM', KEYS[1], 'MINID', minid), minid}
+"""
+
+
+# A consumer leaves its group for good (a burst-side replica at the end of its burst). KEYS[1]:
+# the stream. ARGV: group, consumer, peer ("" when no peer is alive), count. Its pending
+# entries (up to count) go to the peer, without counting a delivery (JUSTID), and the peer
+# redoes them from its own pending list; once it holds none, the consumer is deleted. Never
+# deleted while it holds entries: XGROUP DELCONSUMER would drop them from the pending list,
+# and nobody could ever claim them again. Returns {handed, still pending, deleted (0/1)}.
+LEAVE_LUA = """
+local stream, group, me, peer = KEYS[1], ARGV[1], ARGV[2], ARGV[3]
+local ok, pending = pcall(redis.call, 'XPENDING', stream, group, '-', '+', tonumber(ARGV[4]), me)
+if not ok then return {0, 0, 0} end  -- no such stream or group: nothing to leave
+local ids = {}
+for _, p in ipairs(pending) do table.insert(ids, p[1]) end
+local handed = 0
+if peer ~= '' and #ids > 0 then
+  handed = #redis.call('XCLAIM', stream, group, peer, 0, unpack(ids), 'JUSTID')
+end
+local left = redis.call('XPENDING', stream, group, '-', '+', tonumber(ARGV[4]), me)
+if #left == 0 then
+  redis.call('XGROUP', 'DELCONSUMER', stream, group, me)
+  return {handed, 0, 1}
+end
+return {handed, #left, 0}
 """

@@ -12,10 +12,19 @@
 # - so this script refuses a file:// store or a Redis on this box: both would vanish with the pod;
 # - the trainer gets a time budget ending before the rental does (BURST_MARGIN_MIN), so it stops on a
 #   checkpoint, not mid-step; `exec` hands it SIGTERM directly when the provider stops the pod early.
+# - BURST_ROLLOUT=1 also runs a rollout replica on this card beside the trainer (the burst image,
+#   `--target burst`, which has vLLM): it joins the home rollout group, so fresh samples come from
+#   both sides while the burst lasts. The card is shared through a fixed memory share that
+#   `burstrl plan` sizes: the replica's BURST_ROLLOUT_MEMORY_SHARE (its gpu_memory_utilization) and
+#   the trainer's BURST_TRAINER_GB (its peak). The replica measures the card and refuses to start
+#   (exit 2, the numbers in its log) when its share does not fit beside the trainer; the trainer
+#   then trains alone. When the trainer stops (its budget, or SIGTERM) the replica is stopped too:
+#   it settles its round in flight and hands what it still holds to the home replicas.
 # Required: REDIS_URL (rediss://:password@host:port/0), STORE_URL (s3://bucket/prefix),
 # STORE_ENDPOINT_URL (https://...), AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, BURSTRL_TOKEN, and
 # BURST_HOURS or BURSTRL_TRAINER_TIME_BUDGET_S. Optional: BURST_CA_CERT (PEM text of a private CA),
-# BURST_MARGIN_MIN (default 20), NPROC_PER_NODE (default 1), BURSTRL_TRAINER_JOB.
+# BURST_MARGIN_MIN (default 20), NPROC_PER_NODE (default 1), BURSTRL_TRAINER_JOB; BURST_ROLLOUT (0 or
+# 1) with BURSTRL_ROLLOUT_MODEL (the jobs' base model), BURST_ROLLOUT_MEMORY_SHARE and BURST_TRAINER_GB.
 set -euo pipefail
 
 die() { echo "burst: $*" >&2; exit 2; }
@@ -52,6 +61,24 @@ fi
 [[ "$BURSTRL_TRAINER_TIME_BUDGET_S" =~ ^[0-9]+$ ]] || die "BURSTRL_TRAINER_TIME_BUDGET_S must be whole seconds"
 (( BURSTRL_TRAINER_TIME_BUDGET_S > 600 )) || die "time budget ${BURSTRL_TRAINER_TIME_BUDGET_S}s is too short to train"
 export BURSTRL_TRAINER_TIME_BUDGET_S
+
+# A rollout replica beside the trainer: both shares checked here, the fit on the card by the replica.
+positive() { awk -v x="$1" 'BEGIN { exit !(x + 0 > 0) }'; }
+case "${BURST_ROLLOUT:-0}" in
+  0) ;;
+  1)
+    need BURSTRL_ROLLOUT_MODEL
+    need BURST_ROLLOUT_MEMORY_SHARE
+    need BURST_TRAINER_GB
+    [[ "$BURST_ROLLOUT_MEMORY_SHARE" =~ ^(0?[.][0-9]+|1([.]0*)?)$ ]] && positive "$BURST_ROLLOUT_MEMORY_SHARE" \
+      || die "BURST_ROLLOUT_MEMORY_SHARE must be a fraction of the card in (0, 1] (burstrl plan's replica gpu_memory_utilization), got '$BURST_ROLLOUT_MEMORY_SHARE'"
+    [[ "$BURST_TRAINER_GB" =~ ^[0-9]+([.][0-9]+)?$ ]] && positive "$BURST_TRAINER_GB" \
+      || die "BURST_TRAINER_GB must be a positive number of GB (burstrl plan's trainer peak), got '$BURST_TRAINER_GB'"
+    python -c "import vllm" 2>/dev/null \
+      || die "BURST_ROLLOUT=1 needs vLLM, which this image lacks: use the burst image (docker build --target burst)"
+    ;;
+  *) die "BURST_ROLLOUT must be 0 or 1, got '${BURST_ROLLOUT}'" ;;
+esac
 export BURSTRL_TRAINER_DEVICE="${BURSTRL_TRAINER_DEVICE:-cuda}"
 export BURSTRL_HOST="${BURSTRL_HOST:-0.0.0.0}"
 
@@ -78,6 +105,37 @@ print("burst: Redis and the store are reachable")
 PY
 
 echo "burst: training for up to ${BURSTRL_TRAINER_TIME_BUDGET_S}s on ${NPROC_PER_NODE:-1} GPU(s)"
+trainer_cmd=(torchrun --standalone --nproc-per-node="${NPROC_PER_NODE:-1}" --max-restarts=3 -m services.trainer)
+
+if [[ "${BURST_ROLLOUT:-0}" == 1 ]]; then
+  echo "burst: a rollout replica beside the trainer: ${BURST_ROLLOUT_MEMORY_SHARE} of the card; the trainer keeps ${BURST_TRAINER_GB} GB"
+  BURSTRL_REPLICA="${BURST_ROLLOUT_REPLICA:-burst-$(hostname)-rollout}" \
+    BURSTRL_PORT="${BURST_ROLLOUT_PORT:-8701}" \
+    BURSTRL_ROLLOUT_GPU_MEMORY_UTILIZATION="$BURST_ROLLOUT_MEMORY_SHARE" \
+    BURSTRL_ROLLOUT_TRAINER_RESERVE_GB="$BURST_TRAINER_GB" \
+    python -m services.rollout &
+  rollout=$!
+  "${trainer_cmd[@]}" &
+  trainer=$!
+  # This script is PID 1 here, so the provider's SIGTERM comes to it: hand it to both. The trainer
+  # finishes its step and checkpoints; the replica settles its round and leaves its consumer group.
+  trap 'kill -TERM "$trainer" "$rollout" 2>/dev/null' TERM INT
+  rc=0
+  while kill -0 "$trainer" 2>/dev/null; do # a trap ends `wait` early: wait again until it is gone
+    rc=0
+    wait "$trainer" || rc=$?
+  done
+  # The trainer is done (its budget, the job, or SIGTERM): the burst is over for the replica too.
+  kill -TERM "$rollout" 2>/dev/null || true
+  rollout_rc=0
+  wait "$rollout" || rollout_rc=$?
+  if ((rollout_rc == 2)); then
+    echo "burst: the rollout replica refused to start (its log above says why); the trainer ran alone" >&2
+  elif ((rollout_rc != 0)); then
+    echo "burst: the rollout replica exited with status $rollout_rc" >&2
+  fi
+  exit "$rc"
+fi
 # torchrun: one process per GPU; --standalone needs no rendezvous server on a single node. An error on
 # any rank ends the group (the others would hang in a collective); --max-restarts starts it again and it
 # resumes from the newest checkpoint in the store.

@@ -10,7 +10,7 @@ from fastapi import APIRouter, FastAPI, HTTPException, Query, Response
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
-from services.api import http_limits, jobs, overview, recovery
+from services.api import bursts, http_limits, jobs, overview, recovery
 from services.api.checks import SpecProblem
 from shared import keys
 from shared.backlog import budget_problem
@@ -24,7 +24,7 @@ from shared.store import ObjectStore
 STATIC = Path(__file__).resolve().parent / "static"
 # Paths served without a token: liveness/readiness/Prometheus (scrapers and probes carry
 # no secrets) and the dashboard's static files (the page holds no data; every JSON
-# endpoint it calls stays authenticated). tests/test_api_fuzz.py checks every other route.
+# endpoint it calls stays authenticated). tests/integration/test_api_fuzz.py checks every other route.
 PUBLIC_PATHS = {"/healthz", "/readyz", "/metrics", "/", "/dashboard", "/dashboard/static"}
 # A Redis stream id, the cursor of /v1/jobs/{id}/metrics?after=...
 STREAM_ID = r"^\d{1,20}-\d{1,20}$"
@@ -164,6 +164,19 @@ def build_routes(rt: ServiceRuntime, store: ObjectStore | None = None) -> FastAP
         if not r.hexists(keys.jobs_index(), job_id):
             raise _not_found(job_id)
         return read_points(r, job_id, source, after=after, limit=limit, with_ids=True)
+
+    @router.get("/jobs/{job_id}/bursts", tags=["jobs"], responses=NOT_FOUND)
+    def job_bursts(
+        job_id: str,
+        limit: Annotated[
+            int, Query(ge=1, le=bursts.MAX_SESSIONS, description="The newest sessions to return, oldest first.")
+        ] = 200,
+    ) -> dict[str, Any]:
+        """The burst timeline: each trainer session on the job (when it held the job, billable
+        seconds from its process start, steps, groups, the lag of the data it trained on), and totals."""
+        if not r.hexists(keys.jobs_index(), job_id):
+            raise _not_found(job_id)
+        return bursts.burst_timeline(r, job_id, limit=limit)
 
     def _action(action: str) -> None:
         @router.post(

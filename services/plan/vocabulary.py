@@ -1,6 +1,6 @@
 """The planner's settings in the services' own words: every key it emits is a field of
 `services/trainer/settings.py`, `services/rollout/settings.py` or `services/ref/settings.py`,
-with the same name and meaning (tests/test_plan.py walks every key against those models).
+with the same name and meaning (tests/integration/test_plan.py walks every key against those models).
 
 The planner keeps its own, finer memory knobs (`memory.TrainerKnobs`: rows per micro-batch,
 fp32 adapters, allocator slack...); this module is the one place that turns them into service

@@ -11,6 +11,7 @@ from shared.service import ServiceRuntime, setup_logging
 from shared.store import open_store
 
 log = logging.getLogger("services.rollout")
+LEAVE_WAIT_S = 60.0  # for the spill pass in progress (its segment writes) at shutdown
 
 
 def build_engine(s: RolloutSettings) -> Engine:
@@ -58,6 +59,15 @@ def engine_context(s: RolloutSettings, engine: Engine) -> int:
 def main() -> None:
     setup_logging("rollout")
     settings = RolloutSettings()
+    if settings.trainer_reserve_gb is not None:
+        # A burst-side replica: refuse before anything loads when it cannot fit beside the trainer.
+        from services.rollout.fit import DoesNotFit, check_fit, measure
+
+        try:
+            log.info("memory: %s", check_fit(settings, measure()))
+        except DoesNotFit as e:
+            log.critical("%s", e)
+            raise SystemExit(2) from e
     rt = ServiceRuntime("rollout", settings)
     rt.start()
     # An unknown model path or an unreachable remote engine keeps the service up and
@@ -85,11 +95,21 @@ def main() -> None:
     store = open_store(settings.store_url)
     worker = RolloutWorker(rt, settings, engine, store)
     # Beside the engine loop: moves the ready groups of backlog jobs beyond their hot window to the store.
-    Spiller(rt, store, replica=settings.replica, model=settings.model, claim_idle_s=settings.claim_idle_s).start()
+    spiller = Spiller(rt, store, replica=settings.replica, model=settings.model, claim_idle_s=settings.claim_idle_s)
+    spilling = spiller.start()
     try:
         while not rt.stop.is_set():
             rt.survive(worker.tick)
     finally:
+        # SIGTERM (a burst ending, a scale-down): the round in progress is settled by now; leave
+        # the consumer groups before the heartbeat goes, so what this replica still holds is
+        # handed to a live peer at once (docs/architecture.md, "Backlog and bursts").
+        rt.stop.set()
+        for leave in (worker.leave, lambda: spiller.leave(spilling, LEAVE_WAIT_S)):
+            try:
+                leave()
+            except Exception:  # noqa: BLE001 - e.g. Redis gone: entries stay pending, taken once the heartbeat expires
+                log.exception("could not leave the consumer groups cleanly")
         worker.close()
         engine.close()
         rt.shutdown()

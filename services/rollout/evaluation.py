@@ -278,5 +278,12 @@ class Evaluator:
     def close(self) -> None:
         for ev in list(self.running.values()):
             self._release(ev)
+            # Unfinished: let another replica evaluate it now, not once the claim expires.
+            claim = keys.eval_claim(ev.view.id, ev.version)
+            try:
+                if self.rt.redis.get(claim) == self.s.replica.encode():
+                    self.rt.redis.delete(claim)
+            except Exception:  # noqa: BLE001 - closing: the claim expires by itself anyway
+                log.warning("job %s: could not give back the evaluation claim of v%d", ev.view.id, ev.version)
         self._scoring.shutdown(wait=False, cancel_futures=True)
         self.scorer.close()

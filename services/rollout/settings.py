@@ -49,6 +49,16 @@ class RolloutSettings(CommonSettings):
         "share of host memory, and it is ignored while VLLM_CPU_KVCACHE_SPACE fixes the KV size (burstrl "
         "sets 1 GiB unless you set it). " + _REMOTE,
     )
+    trainer_reserve_gb: float | None = Field(
+        None,
+        gt=0,
+        le=100_000,
+        description="A burst-side replica (deploy/burst/start-trainer.sh, BURST_ROLLOUT=1): GB (decimal, as the planner counts) of this card that "
+        "belong to the trainer beside it (`burstrl plan`'s trainer peak). At start the replica measures the card "
+        "and refuses to start (exit 2, with what it measured) unless its own share fits in what the trainer leaves "
+        "and is free now, so it never runs the trainer out of memory. On vLLM-cpu the card is host memory and the "
+        "share is the weights plus VLLM_CPU_KVCACHE_SPACE. Empty: no check (a card of its own). " + _REMOTE,
+    )
     max_num_seqs: int | None = Field(
         None, ge=1, description="Sequences in flight at once; empty: vLLM's device default. " + _REMOTE
     )
@@ -114,6 +124,11 @@ class RolloutSettings(CommonSettings):
 
     @model_validator(mode="after")
     def _engine_settings_need_an_inprocess_engine(self) -> RolloutSettings:
+        if self.engine == "remote" and self.trainer_reserve_gb is not None:
+            raise ValueError(
+                "BURSTRL_ROLLOUT_TRAINER_RESERVE_GB: a remote engine's memory is its server's; "
+                "size it with `vllm serve --gpu-memory-utilization` instead"
+            )
         if self.engine == "remote":
             set_here = [k for k, v in self.engine_kwargs().items() if v != _ENGINE_DEFAULTS.get(k)]
             if set_here:

@@ -118,6 +118,19 @@ class Spiller:
             self.rt.survive(self.tick)
             self.rt.stop.wait(INTERVAL_S)
 
+    def leave(self, thread: threading.Thread, timeout_s: float) -> None:
+        """Once `rt.stop` is set: let the pass in progress finish (its segments indexed), then
+        hand what this spiller still holds to a live peer spiller (Bus.leave)."""
+        thread.join(timeout_s)
+        if thread.is_alive():  # a store that hangs: its entries stay pending, taken once our heartbeat is gone
+            log.warning("spill pass still running after %.0fs; leaving its entries to the next spiller", timeout_s)
+            return
+        left = self.bus.leave(keys.ready(j) for j in active_job_ids(self.r))
+        if left.handed or left.held:
+            log.info(
+                "spiller left: %d ready groups handed to peers, %d held for the next spiller", left.handed, left.held
+            )
+
     def tick(self) -> int:
         """One pass over the jobs with a backlog; returns the groups spilled."""
         spilled = 0

@@ -149,6 +149,18 @@ class RolloutWorker:
     def full_owner(self) -> str | None:
         return self.adopter.full_owner
 
+    def leave(self) -> None:
+        """Leave the consumer group for good (SIGTERM: the loop has stopped reading, and the
+        round in progress was settled): whatever is still pending to this replica goes to a
+        live peer, or to the next replica that reads (services/rollout/__main__.py)."""
+        jobs = set(self.jobs) | set(active_job_ids(self.rt.redis))
+        left = self.bus.leave(keys.prompts(j) for j in sorted(jobs))
+        log.info(
+            "left the rollout group: %d pending prompts handed to peers, %d held for the next replica",
+            left.handed,
+            left.held,
+        )
+
     def close(self) -> None:
         self.evaluator.close()
         for view in self.jobs.values():

@@ -16,6 +16,10 @@ Burst sessions: with a time budget (or deadline) the trainer measures its own st
 save-and-upload times and, before the budget runs out, checkpoints and exits cleanly;
 on SIGTERM it abandons a batch it has not yet applied (it stays pending for the next
 session), checkpoints what it has, and exits 0.
+
+Over ~400 lines: the job loop is one state machine (claim, read, admit, train, checkpoint, ack,
+publish, hand back) and each step's failure handling reads best next to the step; the pieces that
+stand alone are already out (claim, progress, publishing, step_report, sources, retention).
 """
 
 from __future__ import annotations

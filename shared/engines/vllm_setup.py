@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import os
 
+CPU_KVCACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE unless the operator sets it; the CPU backend's default is 4
+
 
 def prepare_cpu_engine_env() -> bool:
     """Set the CPU backend's defaults in os.environ; True when the engine will run inline
     (then vLLM-cpu's LoRA ops are also swapped for faster, equivalent ones: see below)."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the CPU backend's default is 4
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
     inline = _inline_engine()
     if inline:
         patch_cpu_lora_ops()  # the worker runs in this process: it uses the patched ops

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 DONE = "burstrl_ready.json"
@@ -39,6 +41,34 @@ def _build_once(
     out = out.resolve()
     if (out / DONE).exists() and not force and json.loads((out / DONE).read_text()).get("recipe") == recipe:
         return out
+    with _building(out):
+        if (out / DONE).exists() and not force and json.loads((out / DONE).read_text()).get("recipe") == recipe:
+            return out  # another process built it while this one waited
+        return _build(out, recipe, what=what, sft=sft, log=log)
+
+
+@contextlib.contextmanager
+def _building(out: Path) -> Iterator[None]:
+    """An exclusive lock beside `out` while it is built: `make demo` and test processes (or two
+    pytest workers) may ask for the same model at once, and a half-built folder must not be
+    read or built twice. flock is released by the kernel if the builder dies."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _build(
+    out: Path,
+    recipe: str,
+    *,
+    what: str,
+    sft: tuple[str, Callable[[Path, Path], object]],
+    log: Callable[[str], None],
+) -> Path:
     from shared.ml.tiny_model import build_model
 
     base = out.parent / (out.name + "-base")
@@ -64,6 +94,13 @@ def ensure_teacher_model(out: Path, student: Path, *, force: bool = False, log: 
     want = {"student": str(student), "recipe": TEACHER_RECIPE, "student_recipe": RECIPE}
     if (out / DONE).exists() and not force and json.loads((out / DONE).read_text()) == want:
         return out
+    with _building(out):
+        if (out / DONE).exists() and not force and json.loads((out / DONE).read_text()) == want:
+            return out
+        return _build_teacher(out, student, want, log)
+
+
+def _build_teacher(out: Path, student: Path, want: dict[str, str], log: Callable[[str], None]) -> Path:
     from shared.ml.sft import sft_warm_start
 
     shutil.rmtree(out, ignore_errors=True)

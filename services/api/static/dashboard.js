@@ -18,7 +18,8 @@ const GROUPS = [
 const NOT_SERIES = new Set(["id", "at", "source", "step"]);
 
 // Exposed for tests and for poking at from the devtools console.
-const state = { job: null, cursor: null, points: { trainer: [], rollout: [], backlog: [] }, evals: [], charts: {}, refreshes: 0 };
+const state = { job: null, cursor: null, points: { trainer: [], rollout: [], backlog: [] }, evals: [], charts: {}, refreshes: 0, bursts: null };
+const BURSTS_EVERY = 10; // polls between timeline refreshes while no new session point arrives
 window.burstrl = state;
 state.seriesLength = (name) => {
   const c = state.charts[name];
@@ -239,12 +240,92 @@ function renderCharts() {
   }
 }
 
+// -- bursts -----------------------------------------------------------------------
+// The job's trainer sessions (GET /v1/jobs/{id}/bursts): a bar per session on one time axis
+// (its start-up lighter), and a row each with the rented seconds, steps and the data's lag.
+function fmtTime(t) {
+  return typeof t === "number" ? new Date(t * 1000).toLocaleString() : "-";
+}
+
+// The end of a session: its time only, when it ended on the day it began.
+function fmtEnd(from, to) {
+  const a = new Date(from * 1000), b = new Date(to * 1000);
+  return a.toDateString() === b.toDateString() ? b.toLocaleTimeString() : fmtTime(to);
+}
+
+function fmtSeconds(s) {
+  if (typeof s !== "number") return "unknown";
+  return s >= 3600 ? (s / 3600).toFixed(2) + " h" : s.toFixed(0) + " s";
+}
+
+function renderBursts(b) {
+  const body = document.querySelector("#bursts tbody");
+  const line = document.getElementById("burst-timeline");
+  body.replaceChildren();
+  line.replaceChildren();
+  const sessions = (b && b.sessions) || [];
+  const t = (b && b.totals) || {};
+  document.getElementById("burst-totals").textContent = sessions.length
+    ? t.sessions + " sessions, " + fmtSeconds(t.billable_s) + " rented, " + t.steps + " steps" + (t.lost ? ", " + t.lost + " without an end report" : "") + (b.truncated ? " (older ones left out)" : "")
+    : "";
+  if (!sessions.length) {
+    body.append(el("tr", {}, el("td", { colspan: 10, class: "empty" }, "no trainer has held this job yet")));
+    return;
+  }
+  const now = Date.now() / 1000;
+  const endOf = (s) => s.ended_at ?? (s.status === "training" ? now : s.claimed_at ?? s.process_start);
+  const t0 = Math.min(...sessions.map((s) => s.process_start ?? s.claimed_at ?? now));
+  const span = Math.max(1, Math.max(...sessions.map(endOf)) - t0);
+  for (const s of sessions) {
+    const start = s.process_start ?? s.claimed_at ?? t0;
+    const end = Math.max(start, endOf(s));
+    const bar = el("div", { class: "burst " + s.status, "data-epoch": s.epoch, title: "session " + s.epoch + " (" + s.replica + "): " + s.status + ", " + fmtSeconds(s.billable_s) + " rented, " + (s.steps ?? "?") + " steps" });
+    bar.style.left = ((100 * (start - t0)) / span).toFixed(3) + "%";
+    bar.style.width = ((100 * (end - start)) / span).toFixed(3) + "%";
+    if (typeof s.startup_s === "number" && end > start) {
+      const up = el("div", { class: "startup" });
+      up.style.width = Math.min(100, (100 * s.startup_s) / (end - start)).toFixed(3) + "%";
+      bar.append(up);
+    }
+    bar.append(el("span", { class: "label" }, (s.steps ?? "?") + " steps"));
+    line.append(bar);
+    const hist = Object.entries(s.lag_hist || {}).map(([k, n]) => k + ":" + n).join(" ");
+    const lag = typeof s.lag_mean === "number" ? s.lag_mean.toFixed(2) + " / " + s.lag_max : "-";
+    body.append(
+      el(
+        "tr",
+        { "data-epoch": s.epoch, "data-status": s.status },
+        el("td", {}, s.epoch),
+        el("td", {}, s.replica),
+        el("td", { class: s.status === "lost" ? "warn" : s.status === "training" ? "ok" : "" }, s.status),
+        el("td", {}, fmtTime(s.claimed_at) + " → " + (s.ended_at ? fmtEnd(s.claimed_at, s.ended_at) : s.status === "training" ? "now" : "?")),
+        el("td", { "data-billable": "" }, typeof s.billable_s === "number" ? s.billable_s.toFixed(1) : "unknown"),
+        el("td", { "data-steps": "" }, s.steps ?? "-"),
+        el("td", {}, s.groups ?? "-"),
+        el("td", { "data-lag": "" }, lag),
+        el("td", {}, hist),
+        el("td", {}, s.reason || ""),
+      ),
+    );
+  }
+}
+
+async function fetchBursts(job) {
+  const b = await api("/v1/jobs/" + encodeURIComponent(job) + "/bursts");
+  if (job !== state.job) return;
+  state.bursts = b;
+  state.burstsAt = state.refreshes;
+  renderBursts(b);
+}
+
 function selectJob(id) {
   if (state.job === id) return;
   state.job = id;
   state.cursor = null;
   state.points = { trainer: [], rollout: [], backlog: [] };
   state.evals = [];
+  state.bursts = null;
+  renderBursts(null);
   for (const c of Object.values(state.charts)) c.plot.destroy();
   state.charts = {};
   document.getElementById("charts").replaceChildren();
@@ -273,6 +354,10 @@ async function fetchJob() {
   if (points.length) state.cursor = points[points.length - 1].id;
   state.evals = status.evals || [];
   renderCharts();
+  // The timeline: at once when a session started or ended, else now and then (a session in
+  // progress grows; one lost shows once its lease has moved on).
+  const sessionPoint = points.some((p) => p.source === "trainer_session");
+  if (state.bursts === null || sessionPoint || state.refreshes - (state.burstsAt ?? 0) >= BURSTS_EVERY) await fetchBursts(job);
 }
 
 function showError(e) {

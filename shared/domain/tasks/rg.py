@@ -10,7 +10,7 @@ datasets. Here each one becomes a task:
 - split: an item is held out iff a hash of (dataset, question text) falls below
   `heldout_fraction`, whatever the seed; train items come from a stream seeded by the job's
   seed and skip held-out questions, held-out items from a fixed seed. So train and held-out
-  never share a question text, however small the problem space (tests/test_rg.py).
+  never share a question text, however small the problem space (tests/integration/test_rg.py).
 - reward: the dataset's own `score_answer` on the extracted answer, as part "correct" in
   [0, 1] (some datasets give partial credit). The entry travels as JSON in the prompt's
   fields (`rg_entry`, tuples tagged so that they come back as tuples), so the reward service rebuilds it from plain data in its scoring
@@ -22,6 +22,10 @@ unknown dataset or option names the valid choices; values are type-checked again
 dataset's config and its own `validate()`; and a few items are generated in a child process
 under a deadline, so a config that makes generation hang or prompts huge is refused with
 the reason instead of stalling the feeder. reasoning-gym is imported on first use only.
+
+Over ~400 lines: reasoning-gym's options, split, bounds and scorer form one adapter whose
+checks (option coercion, size bounds, the sample check in a child process) only make sense
+together.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from shared.domain.tasks.base import TaskItem, register_task_family
 
 PREFIX = "rg:"
 # Our own options, beside the dataset's config fields (no reasoning-gym config has these names:
-# tests/test_rg.py checks).
+# tests/integration/test_rg.py checks).
 ANSWER_FORMATS = ("tag", "raw")
 OWN_OPTIONS = {"answer_format": "tag", "heldout_fraction": 0.1}
 RESERVED = ("seed", "size")  # set by the split, never by the job

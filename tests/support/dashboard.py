@@ -1,0 +1,51 @@
+"""The dashboard harness: the api and reward services as real processes for a headless browser,
+shared by the dashboard and backlog-view tests."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.cli.launch import Launcher, free_port
+from tests.support.stack import service_env
+
+TOKEN = "dashboard-test-token-0123456789"
+CHROMIUM = os.environ.get("BURSTRL_CHROMIUM", "/usr/bin/chromium")
+
+
+def require_browser() -> None:
+    # In CI a missing browser is a setup bug, not a reason to skip silently.
+    missing = []
+    if not Path(CHROMIUM).exists():
+        missing.append(f"{CHROMIUM} (apt-get install chromium)")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        missing.append("playwright (pip install playwright)")
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail(f"dashboard test needs {', '.join(missing)}")
+        pytest.skip(f"needs {', '.join(missing)}")
+
+
+@pytest.fixture
+def stack(r, redis_server, tmp_path) -> Iterator[tuple[str, Launcher]]:
+    """The api and reward services as real processes on free ports, stopped by pid."""
+    launcher = Launcher(tmp_path / "run")
+    env = service_env(
+        redis_server.url,
+        tmp_path,
+        TOKEN,
+        BURSTRL_HEARTBEAT_S="0.5",
+    )
+    api_port = free_port()
+    launcher.start_service("api", env, port=api_port)
+    launcher.start_service("reward", env, port=free_port())
+    try:
+        launcher.wait_ready(["api", "reward"], timeout=60)
+        yield f"http://127.0.0.1:{api_port}", launcher
+    finally:
+        launcher.stop_all()

@@ -1,0 +1,80 @@
+"""Trainer cases shared by the data-parallel and loss tests: a small locally built model, random
+but valid groups, and groups whose sampler log-probs sit near the policy's own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from services.trainer.policy import load_policy
+from shared.schema import Completion, GroupMsg, pack_f32, pack_i32, pack_u8
+
+GROUPS, G = 6, 4
+
+
+def tiny_model(root: Path) -> Path:
+    from shared.ml.tiny_model import build_model
+
+    out = root / "tiny"
+    if not (out / "config.json").exists():
+        build_model(out, hidden=64, layers=2, seed=0)
+    return out
+
+
+def make_groups(n: int, g: int, *, seed: int, job_id: str = "job-1", version: int = 0) -> list[GroupMsg]:
+    """Random but valid groups: varied lengths, a masked token, rewards with spread."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        comps = []
+        for j in range(g):
+            t = int(rng.integers(3, 7))
+            mask = np.ones(t, dtype=np.uint8)
+            if j == 1:
+                mask[1] = 0  # a tool-output token: not trained on
+            comps.append(
+                Completion(
+                    token_ids=pack_i32(rng.integers(3, 200, t)),
+                    logprobs=pack_f32(-rng.random(t) * 4 - 0.5),
+                    loss_mask=pack_u8(mask),
+                    text="x",
+                    finish_reason="stop",
+                    reward=float(rng.integers(0, 2)) if j else float(i % 2),
+                )
+            )
+        out.append(
+            GroupMsg(
+                job_id=job_id,
+                group_id=f"{job_id}:g{seed}-{i}",
+                item_id=str(i),
+                prompt="p",
+                prompt_ids=pack_i32(rng.integers(3, 200, int(rng.integers(2, 5)))),
+                policy_version=version,
+                completions=comps,
+                stage="ready",
+            )
+        )
+    return out
+
+
+def near_policy(groups: list[GroupMsg], model_dir: Path, *, noise: float, seed: int = 11) -> list[GroupMsg]:
+    """The groups with sampler log-probs = the tiny model's own + Gaussian noise: a sampler a
+    little off the trainer (quantized, a version or two stale), so masks and weights act on
+    some tokens but not all (the random log-probs of `_uneven_groups` are ~4 nats off)."""
+    from services.trainer.batch import collate
+    from shared.ml.logprobs import token_logprobs
+
+    model, tok = load_policy(str(model_dir), rank=4, alpha=8, device="cpu", seed=0)
+    b = collate(groups, tok.pad_token_id)
+    with torch.no_grad():
+        logp = token_logprobs(
+            model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1], b.input_ids[:, 1:]
+        )
+    gen = torch.Generator().manual_seed(seed)
+    comps = [c for g in groups for c in g.completions]
+    for i, c in enumerate(comps):
+        own = logp[i, b.offsets[i] : b.offsets[i] + b.lengths[i]]
+        c.logprobs = pack_f32((own + noise * torch.randn(len(own), generator=gen)).tolist())
+    return groups
