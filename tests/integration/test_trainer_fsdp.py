@@ -1,6 +1,6 @@
 """FSDP2: 2 CPU processes on gloo, sharded with fully_shard, take the step 1 process takes.
 
-The model is the tiny SFT model (.burstrl/models/tiny-sft: 4 Qwen2 layers, tied embeddings),
+The model is the tiny SFT model (the `tiny_model` fixture, .burstrl/models/tiny-sft: 4 Qwen2 layers, tied embeddings),
 sharded one FSDP unit per decoder layer plus the root, under LoRA (frozen base sharded too)
 and under full fine-tuning. Each rank trains its share of every mini-batch (3 groups per
 mini-batch: ranks get 2 and 1, so rank 1 runs idle passes), FSDP's reduce-scatter sums the
@@ -31,13 +31,11 @@ from services.cli.launch import free_port
 from services.trainer.sharding import ShardingError, check_sharding
 from shared.job import JobSpec
 from shared.schema import GroupMsg, decode, encode
-from tests.test_trainer_ddp import GROUPS, G, make_groups
+from tests.support import ROOT
+from tests.support.trainer_groups import GROUPS, G, make_groups
 
-MODEL = Path(__file__).resolve().parents[1] / ".burstrl" / "models" / "tiny-sft"
 RTOL, ATOL = 1e-4, 1e-5
 UPDATES = 8  # 2 steps x 2 PPO epochs x 2 mini-batches
-
-needs_model = pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="tiny-sft model not built")
 
 
 class RecordingSGD(torch.optim.SGD):
@@ -55,7 +53,7 @@ class RecordingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
-def _train(out: Path, finetune: str, world: int) -> None:
+def _train(model_dir: Path, out: Path, finetune: str, world: int) -> None:
     from services.trainer.distributed import Comm
     from services.trainer.learner import Learner
     from services.trainer.policy import load_policy
@@ -64,14 +62,14 @@ def _train(out: Path, finetune: str, world: int) -> None:
     torch.set_num_threads(1)
     comm = Comm.from_env() if world > 1 else Comm()
     spec = JobSpec(
-        base_model=str(MODEL),
+        base_model=str(model_dir),
         group_size=G,
         batch_size=GROUPS,
         steps=2,
         learning_rate=1e-2,
         algorithm={"minibatches": 2, "ppo_epochs": 2, "entropy_coef": 0.01, "finetune": finetune},
     )
-    model, tok = load_policy(str(MODEL), rank=8, alpha=16, device="cpu", seed=0, finetune=finetune)
+    model, tok = load_policy(str(model_dir), rank=8, alpha=16, device="cpu", seed=0, finetune=finetune)
     if world > 1:
         model = shard_model(model, device="cpu", cpu_offload=False)
         assert is_sharded(model)
@@ -95,16 +93,16 @@ def _train(out: Path, finetune: str, world: int) -> None:
         save_file(tensors, str(out))
 
 
-def _worker(rank: int, world: int, port: int, out: str, finetune: str) -> None:
+def _worker(rank: int, world: int, port: int, model_dir: str, out: str, finetune: str) -> None:
     os.environ.update(
         {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "RANK": str(rank)}
     )
-    _train(Path(out), finetune, world)
+    _train(Path(model_dir), Path(out), finetune, world)
     torch.distributed.destroy_process_group()
 
 
-def _spawn(out: Path, finetune: str) -> None:
-    ctx = mp.spawn(_worker, args=(2, free_port(), str(out), finetune), nprocs=2, join=False)
+def _spawn(model_dir: Path, out: Path, finetune: str) -> None:
+    ctx = mp.spawn(_worker, args=(2, free_port(), str(model_dir), str(out), finetune), nprocs=2, join=False)
     deadline = time.monotonic() + 300  # ranks that disagree on a collective hang rather than fail
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:
@@ -113,12 +111,12 @@ def _spawn(out: Path, finetune: str) -> None:
             raise AssertionError("the FSDP ranks hung (a collective one rank did not join)")
 
 
-@needs_model
+@pytest.mark.slow
 @pytest.mark.parametrize("finetune", ["lora", "full"])
-def test_fsdp_over_two_gloo_processes_matches_one_process(tmp_path, finetune):
+def test_fsdp_over_two_gloo_processes_matches_one_process(tmp_path, tiny_model, finetune):
     one, two = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
-    _train(one, finetune, 1)
-    _spawn(two, finetune)
+    _train(tiny_model, one, finetune, 1)
+    _spawn(tiny_model, two, finetune)
     a, b = load_file(str(one)), load_file(str(two))
     assert a.keys() == b.keys()
     assert sum(k.startswith("g") for k in a) == UPDATES * sum(k.startswith("w.") for k in a)
@@ -134,15 +132,15 @@ def test_fsdp_over_two_gloo_processes_matches_one_process(tmp_path, finetune):
 
 
 # -- full fine-tuning checkpoints across world sizes (the store-level runs are LoRA:
-# tests/test_trainer_fsdp_resume.py) -------------------------------------------------------
-def _full_learner(shard: bool):  # noqa: ANN202
+# tests/integration/test_trainer_fsdp_resume.py) -------------------------------------------------------
+def _full_learner(model_dir: Path, shard: bool):  # noqa: ANN202
     from services.trainer.learner import Learner
     from services.trainer.policy import load_policy
     from services.trainer.sharding import shard_model
 
-    spec = JobSpec(base_model=str(MODEL), group_size=G, batch_size=GROUPS, steps=2, learning_rate=1e-3)
+    spec = JobSpec(base_model=str(model_dir), group_size=G, batch_size=GROUPS, steps=2, learning_rate=1e-3)
     spec.algorithm.finetune = "full"
-    model, tok = load_policy(str(MODEL), rank=8, alpha=16, device="cpu", seed=0, finetune="full")
+    model, tok = load_policy(str(model_dir), rank=8, alpha=16, device="cpu", seed=0, finetune="full")
     if shard:
         model = shard_model(model, device="cpu", cpu_offload=False)
     learner = Learner(model, spec, pad_id=tok.pad_token_id or 0, grad_clip=1.0, world=2 if shard else 1, rank=0)
@@ -166,7 +164,7 @@ def _read_ckpt(d: Path) -> tuple[dict[str, bytes], dict[str, torch.Tensor], list
     return files, load_file(str(d / "_optimizer.safetensors")), json.loads((d / "_groups.json").read_text())
 
 
-def _full_worker(rank: int, port: int, root: str) -> None:
+def _full_worker(rank: int, port: int, root: str, model_dir: str) -> None:
     """2 ranks: (1) train batch 0 from scratch and gather a checkpoint; (2) load the one-process
     checkpoint of batch 0, gather it back unchanged, train batch 1 and gather the weights."""
     from services.trainer.checkpoint import optimizer_from_tensors
@@ -182,21 +180,21 @@ def _full_worker(rank: int, port: int, root: str) -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo")
     out = Path(root)
-    model, learner = _full_learner(shard=True)
+    model, learner = _full_learner(Path(model_dir), shard=True)
     learner.rank = rank
     learner.train_batch(make_groups(GROUPS, G, seed=0))
-    files = gathered_policy_files(model, str(MODEL), main=rank == 0)
+    files = gathered_policy_files(model, model_dir, main=rank == 0)
     opt = full_optimizer_tensors(learner.opt)
     if rank == 0:
         _write_ckpt(out / "two", files, opt)
 
-    model, learner = _full_learner(shard=True)
+    model, learner = _full_learner(Path(model_dir), shard=True)
     learner.rank = rank
     files, tensors, groups = _read_ckpt(out / "one")
     load_policy_files(model, files)
     optimizer_from_tensors(learner.opt, local_optimizer_tensors(learner.opt, tensors), groups)
     learner.sched.last_epoch = 1
-    back = gathered_policy_files(model, str(MODEL), main=rank == 0)
+    back = gathered_policy_files(model, model_dir, main=rank == 0)
     back_opt = full_optimizer_tensors(learner.opt)
     learner.train_batch(make_groups(GROUPS, G, seed=1))
     weights = full_state(model)
@@ -206,8 +204,8 @@ def _full_worker(rank: int, port: int, root: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-@needs_model
-def test_full_finetune_checkpoints_move_between_one_and_two_ranks(tmp_path):
+@pytest.mark.slow
+def test_full_finetune_checkpoints_move_between_one_and_two_ranks(tmp_path, tiny_model):
     """Full weights + AdamW states: 1 -> 2 (a one-process checkpoint sharded on load, gathered
     back bit-identical, trained on) and 2 -> 1 (a 2-rank checkpoint loaded by the plain
     one-process path), each against one process training straight through."""
@@ -215,13 +213,13 @@ def test_full_finetune_checkpoints_move_between_one_and_two_ranks(tmp_path):
     from services.trainer.policy import load_policy_files, policy_files
 
     torch.set_num_threads(1)
-    model, learner = _full_learner(shard=False)
+    model, learner = _full_learner(tiny_model, shard=False)
     learner.train_batch(make_groups(GROUPS, G, seed=0))
-    _write_ckpt(tmp_path / "one", policy_files(model, str(MODEL)), optimizer_to_tensors(learner.opt))
+    _write_ckpt(tmp_path / "one", policy_files(model, str(tiny_model)), optimizer_to_tensors(learner.opt))
     learner.train_batch(make_groups(GROUPS, G, seed=1))
     w1 = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
-    ctx = mp.spawn(_full_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=False)
+    ctx = mp.spawn(_full_worker, args=(free_port(), str(tmp_path), str(tiny_model)), nprocs=2, join=False)
     deadline = time.monotonic() + 300
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:
@@ -239,7 +237,7 @@ def test_full_finetune_checkpoints_move_between_one_and_two_ranks(tmp_path):
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
     assert all(torch.equal(o1[k], orr[k]) for k in o1)
     # 2 -> 1: the plain loader takes the 2-rank checkpoint; one more step lands where one process does.
-    model, learner = _full_learner(shard=False)
+    model, learner = _full_learner(tiny_model, shard=False)
     files, tensors, groups = _read_ckpt(tmp_path / "two")
     assert files.keys() == f1.keys() and tensors.keys() == o1.keys()
     load_policy_files(model, files)
@@ -300,9 +298,8 @@ def test_the_trainer_refuses_fsdp_on_one_process_at_start_up(tmp_path):
         "STORE_URL": f"file://{tmp_path}/store",
     }
     env.pop("WORLD_SIZE", None)
-    root = Path(__file__).resolve().parents[1]
     p = subprocess.run(
-        [sys.executable, "-m", "services.trainer"], cwd=root, env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "services.trainer"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
     assert p.returncode != 0
     assert "BURSTRL_TRAINER_SHARDING=fsdp needs torchrun" in p.stderr, p.stderr[-2000:]
@@ -310,9 +307,8 @@ def test_the_trainer_refuses_fsdp_on_one_process_at_start_up(tmp_path):
 
 
 @pytest.mark.gpu
-@needs_model
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cpu_offload_on_one_gpu_keeps_states_in_host_ram_and_trains(tmp_path):
+def test_cpu_offload_on_one_gpu_keeps_states_in_host_ram_and_trains(tmp_path, tiny_model):
     """cpu_offload on one CUDA card: FSDP2's CPUOffloadPolicy on a one-rank group. The weights
     and AdamW states live on the CPU, the step moves the adapter, and its files match an
     offload-free run of the same batch (bf16 on CUDA: a loose tolerance)."""
@@ -320,10 +316,10 @@ def test_cpu_offload_on_one_gpu_keeps_states_in_host_ram_and_trains(tmp_path):
     from services.trainer.policy import load_policy
     from services.trainer.sharding import full_trainable_state, gathered_policy_files, shard_model
 
-    spec = JobSpec(base_model=str(MODEL), group_size=G, batch_size=GROUPS, steps=1, learning_rate=1e-2)
+    spec = JobSpec(base_model=str(tiny_model), group_size=G, batch_size=GROUPS, steps=1, learning_rate=1e-2)
     results = []
     for offload in (False, True):
-        model, tok = load_policy(str(MODEL), rank=8, alpha=16, device="cuda", seed=0)
+        model, tok = load_policy(str(tiny_model), rank=8, alpha=16, device="cuda", seed=0)
         if offload:
             model = shard_model(model, device="cuda", cpu_offload=True)
         learner = Learner(model, spec, pad_id=tok.pad_token_id or 0, grad_clip=1.0, device="cuda")
@@ -332,7 +328,7 @@ def test_cpu_offload_on_one_gpu_keeps_states_in_host_ram_and_trains(tmp_path):
             assert all(p.device.type == "cpu" for p in model.parameters())
             states = [t for st in learner.opt.state.values() for t in st.values() if torch.is_tensor(t)]
             assert states and all(t.device.type == "cpu" for t in states if t.dim() > 0)
-            assert gathered_policy_files(model, str(MODEL), main=True)
+            assert gathered_policy_files(model, str(tiny_model), main=True)
         results.append({k: v.float().cpu() for k, v in full_trainable_state(model).items()})
     a, b = results
     assert a.keys() == b.keys()

@@ -14,7 +14,7 @@ shard of one that 1 process wrote.
   them as trained without training them again, and trains step 5.
 
 Tolerance, fp32: the sharded steps sum gradients in another order than one process (see
-tests/test_trainer_fsdp.py), and AdamW passes those differences on, most for the entries whose
+tests/integration/test_trainer_fsdp.py), and AdamW passes those differences on, most for the entries whose
 gradient is near zero (the update is m/sqrt(v): float noise there is lr-sized). Measured
 against the uninterrupted run: 2 -> 1 (3 sharded steps) max 1.7e-5, mean 6.4e-8; 1 -> 2 (1
 sharded step) max 6.0e-8, mean 2.3e-10. Asserted: max 1e-4 and mean 1e-6 over the adapter.
@@ -44,16 +44,15 @@ from shared.ledger import audit
 from shared.metrics import read_ledger, read_points
 from shared.schema import encode
 from shared.store import MANIFEST
-from tests.test_trainer_fsdp import MODEL, needs_model
-from tests.test_trainer_resume import BATCH, JOB, STEPS, ZERO_VAR, Run, _groups
+from tests.support import ROOT
+from tests.support.trainer_resume import BATCH, JOB, STEPS, ZERO_VAR, Run, resume_groups
 
 ATOL, MEAN_ATOL = 1e-4, 1e-6
-ROOT = Path(__file__).resolve().parents[1]
-pytestmark = needs_model
+pytestmark = pytest.mark.slow  # torchrun sessions: minutes
 
 
-def _run(r, tmp: Path, **kw) -> Run:  # noqa: ANN001
-    run = Run(r, tmp, MODEL, **kw)
+def _run(r, tmp: Path, model_dir: Path, **kw) -> Run:  # noqa: ANN001
+    run = Run(r, tmp, model_dir, **kw)
     # The in-process trainers here run without a LeaseKeeper; the tiny SFT model's steps on a
     # busy machine can outlast the default 30 s lease, and another "trainer" would take it.
     run.settings.lease_s = 900
@@ -61,10 +60,10 @@ def _run(r, tmp: Path, **kw) -> Run:  # noqa: ANN001
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, redis_server):  # noqa: ANN001, ANN201
+def reference(tmp_path_factory, redis_server, tiny_model):  # noqa: ANN001, ANN201
     """One process, uninterrupted: the final adapter and LR."""
     client = redis_server.client()
-    run = _run(client, tmp_path_factory.mktemp("ref"), checkpoint_every=2)
+    run = _run(client, tmp_path_factory.mktemp("ref"), tiny_model, checkpoint_every=2)
     run.trainer().run()
     out = run.final()
     client.close()
@@ -73,7 +72,7 @@ def reference(tmp_path_factory, redis_server):  # noqa: ANN001, ANN201
 
 def _feed(run: Run, upto: int) -> None:
     """Append the job's groups [already fed, upto) to its ready stream, counted as fed."""
-    groups = _groups()
+    groups = resume_groups()
     start = int(run.r.hget(keys.ledger(JOB), "fed") or 0)
     for g in groups[start:upto]:
         run.r.xadd(keys.ready(JOB), {FIELD: encode(g)})
@@ -145,8 +144,8 @@ def _safetensors_and_json_only(run: Run, step: int) -> None:
     assert MANIFEST in names and all(n.endswith((".safetensors", ".json")) for n in names), names
 
 
-def test_two_ranks_then_one_process(r, redis_server, tmp_path, reference):
-    run = _run(r, tmp_path, checkpoint_every=2, data_steps=0)
+def test_two_ranks_then_one_process(r, redis_server, tmp_path, tiny_model, reference):
+    run = _run(r, tmp_path, tiny_model, checkpoint_every=2, data_steps=0)
     # Data for 3 steps only (group 3 has no reward spread and is dropped): the session
     # trains them, then waits for more until it is pre-empted.
     _feed(run, 3 * BATCH + 1)
@@ -163,7 +162,7 @@ def test_two_ranks_then_one_process(r, redis_server, tmp_path, reference):
     _safetensors_and_json_only(run, 3)
     ck = load_checkpoint(run.store, JOB, 3)
     assert {k for k in ck.opt_tensors if k.startswith("state.")}  # the optimizer, gathered in full
-    _feed(run, len(_groups()))
+    _feed(run, len(resume_groups()))
     t = run.trainer()  # one process, no sharding: the plain loader reads what 2 ranks wrote
     assert t.state.step == 3 and t.learner.sched.last_epoch == 3
     t.run()
@@ -171,8 +170,10 @@ def test_two_ranks_then_one_process(r, redis_server, tmp_path, reference):
     _exactly_once(r)
 
 
-def test_one_process_then_two_ranks_across_a_crash_before_the_ack(r, redis_server, tmp_path, reference, monkeypatch):
-    run = _run(r, tmp_path, checkpoint_every=2)
+def test_one_process_then_two_ranks_across_a_crash_before_the_ack(
+    r, redis_server, tmp_path, tiny_model, reference, monkeypatch
+):
+    run = _run(r, tmp_path, tiny_model, checkpoint_every=2)
     orig = JobTrainer._ack_checkpointed
 
     def boom(self):  # noqa: ANN001, ANN202
