@@ -1,17 +1,20 @@
 """FSDP2: 2 CPU processes on gloo, sharded with fully_shard, take the step 1 process takes.
 
-The model is the tiny SFT model (the `tiny_model` fixture, .burstrl/models/tiny-sft: 4 Qwen2 layers, tied embeddings),
-sharded one FSDP unit per decoder layer plus the root, under LoRA (frozen base sharded too)
-and under full fine-tuning. Each rank trains its share of every mini-batch (3 groups per
-mini-batch: ranks get 2 and 1, so rank 1 runs idle passes), FSDP's reduce-scatter sums the
-gradients, and two PPO epochs make the anchor pass part of the check.
+The model is the tiny SFT model (the `tiny_model` fixture, .burstrl/models/tiny-sft: 4 Qwen2
+layers, tied embeddings), sharded one FSDP unit per decoder layer plus the root, under LoRA
+(frozen base sharded too) and under full fine-tuning. Each rank trains its share of every
+mini-batch (3 groups per mini-batch: ranks get 2 and 1) in passes of at most 24 padded tokens,
+so rank 0 runs more passes than rank 1, which must run idle ones to join each pass's
+collectives; FSDP's reduce-scatter sums the gradients, and two PPO epochs make the anchor pass
+part of the check.
 
 Compared with the unsharded one-process run: the gradients of every optimizer update (gathered
 inside the optimizer's step), the reported grad norms and losses, and the final weights.
 Tolerance, fp32: atol 1e-5 + rtol 1e-4 on gradients and weights. The sharded run sums the
 same per-row terms in another order (reduce-scatter of two partial sums instead of one
-backward over all rows); measured on this setup the largest difference is about 7e-8 (LoRA)
-and 1.5e-6 (full, after 8 SGD updates at lr 0.5) in weights of magnitude ~1e-2 to 1. A scale
+backward over all rows); measured on this setup the largest differences are 8.3e-8 in
+weights and 1.2e-7 in gradients (LoRA), 2.3e-6 and 4.7e-6 (full, after 8 SGD updates at lr
+0.5), in weights of magnitude ~1e-2 to 1. A scale
 error (FSDP's default mean over ranks instead of a sum) would be a factor of 2, a wrong row
 split or a missing idle pass a difference of the gradients' own size (1e-2 and up).
 """
@@ -36,6 +39,7 @@ from tests.support.trainer_groups import GROUPS, G, make_groups
 
 RTOL, ATOL = 1e-4, 1e-5
 UPDATES = 8  # 2 steps x 2 PPO epochs x 2 mini-batches
+MICRO_TOKENS = 24  # passes of 2-4 rows: rank 0's 8 rows of a mini-batch take more than rank 1's 4
 
 
 class RecordingSGD(torch.optim.SGD):
@@ -73,7 +77,23 @@ def _train(model_dir: Path, out: Path, finetune: str, world: int) -> None:
     if world > 1:
         model = shard_model(model, device="cpu", cpu_offload=False)
         assert is_sharded(model)
-    learner = Learner(model, spec, pad_id=tok.pad_token_id or 0, grad_clip=1.0, world=comm.world, rank=comm.rank)
+    learner = Learner(
+        model,
+        spec,
+        pad_id=tok.pad_token_id or 0,
+        grad_clip=1.0,
+        world=comm.world,
+        rank=comm.rank,
+        micro_batch_tokens=MICRO_TOKENS,
+    )
+    idle = [0]
+    run_idle = learner._idle_pass
+
+    def counted(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        idle[0] += 1
+        return run_idle(*a, **k)
+
+    learner._idle_pass = counted
     # Plain SGD (see test_trainer_ddp): the weights are linear in the gradients, so the check is strict.
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     learner.opt = RecordingSGD(named, lr=0.5)
@@ -85,11 +105,13 @@ def _train(model_dir: Path, out: Path, finetune: str, world: int) -> None:
         res = learner.train_batch([decode(b, GroupMsg) for b in data])
         stats.append([res.grad_norm, res.stats["loss"], res.stats["entropy"], res.stats["mismatch_kl"]])
     weights = full_trainable_state(model)  # a gather: every rank
+    idle_total = comm.world > 1 and learner._all_sum([float(idle[0])])[0]
     if comm.is_main:
         tensors = {f"w.{k}": v.contiguous() for k, v in weights.items()}
         for i, grads in enumerate(learner.opt.grads):
             tensors.update({f"g{i}.{k}": v.contiguous() for k, v in grads.items()})
         tensors["_stats"] = torch.tensor(stats, dtype=torch.float64)
+        tensors["_idle"] = torch.tensor([float(idle_total)])
         save_file(tensors, str(out))
 
 
@@ -119,6 +141,7 @@ def test_fsdp_over_two_gloo_processes_matches_one_process(tmp_path, tiny_model, 
     _spawn(tiny_model, two, finetune)
     a, b = load_file(str(one)), load_file(str(two))
     assert a.keys() == b.keys()
+    assert float(a.pop("_idle")) == 0 and float(b.pop("_idle")) > 0  # the uneven pass counts were met
     assert sum(k.startswith("g") for k in a) == UPDATES * sum(k.startswith("w.") for k in a)
     assert torch.allclose(a.pop("_stats"), b.pop("_stats"), rtol=RTOL, atol=ATOL)
     for k in a:
