@@ -27,6 +27,7 @@ import json
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -72,6 +73,8 @@ class Case(BaseModel):
     prompt_len: int = 64
     completion_len: int = 64
     grad_checkpointing: bool = False
+    optimizer: str = "adamw"  # adamw (torch, fused) | adamw8bit (bitsandbytes, as the trainer builds it)
+    base_bits: int = 16  # LoRA: 4 = NF4 frozen base, loaded as the trainer loads it
 
 
 def case_shape(case: Case) -> ModelShape:
@@ -98,6 +101,8 @@ def estimate(case: Case) -> float:
         gradient_checkpointing=case.grad_checkpointing,
         grad_accumulation=case.accum > 1,
         optimizer_impl="fused",
+        optimizer=case.optimizer,  # type: ignore[arg-type]
+        base_bits=case.base_bits,  # type: ignore[arg-type]
         master_weights=False,  # the model is cast to the dtype: pure 16-bit, AdamW states follow it
         overhead_gb=0.0,
         fragmentation=0.0,
@@ -123,11 +128,29 @@ def measure(case: Case) -> dict[str, float]:
     torch.set_num_threads(1)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[case.dtype]
     m, P, C = case.micro_batch, case.prompt_len, case.completion_len
+    cfg = Qwen2Config(**CONFIGS[case.config], tie_word_embeddings=True, attn_implementation="sdpa")
+    if case.base_bits == 4:
+        # The trainer quantizes while loading from a directory (services/trainer/policy.py).
+        saved = tempfile.mkdtemp(prefix="burstrl-calib-")
+        Qwen2ForCausalLM(cfg).save_pretrained(saved)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     marker_bytes = 777_777  # a distinctive allocation marks where training starts
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        cfg = Qwen2Config(**CONFIGS[case.config], tie_word_embeddings=True, attn_implementation="sdpa")
-        model = Qwen2ForCausalLM(cfg).to(dtype)
+        if case.base_bits == 4:
+            from transformers import AutoModelForCausalLM
+
+            from services.trainer.quant import keep_trainable_layout, nf4_load_kwargs
+
+            model = AutoModelForCausalLM.from_pretrained(saved, dtype=dtype, **nf4_load_kwargs(dtype, "cpu"))
+            keep_trainable_layout(model)
+            # from_pretrained leaves the weights it does not convert (embeddings, norms) as views of
+            # the mmap'd safetensors file, which the profiler's allocator events never see: copy them
+            # into allocator memory, as they are on a GPU and in the 16-bit cases.
+            for t in [*model.parameters(), *model.buffers()]:
+                if t.dtype != torch.uint8:
+                    t.data = t.data.clone()
+        else:
+            model = Qwen2ForCausalLM(cfg).to(dtype)
         if case.method == "lora":
             from peft import LoraConfig, get_peft_model
 
@@ -150,7 +173,12 @@ def measure(case: Case) -> dict[str, float]:
                 model.enable_input_require_grads()
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
+        if case.optimizer == "adamw8bit":
+            from services.trainer.optim import build_optimizer
+
+            opt = build_optimizer(params, "adamw8bit", lr=1e-5)
+        else:
+            opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
         batches = [torch.randint(0, cfg.vocab_size, (m, P + C)) for _ in range(case.accum)]
         adv = torch.randn(m, 1)
         marker = torch.empty(marker_bytes, dtype=torch.uint8)
@@ -219,6 +247,14 @@ def default_cases() -> list[Case]:
             prompt_len=128,
             completion_len=128,
         ),
+        # The quantized savers (services/trainer/quant.py): 8-bit AdamW states, an NF4 base.
+        Case(config="small", method="full", optimizer="adamw8bit"),
+        Case(config="small", method="full", dtype="bf16", accum=2, optimizer="adamw8bit"),
+        Case(config="small", method="lora", rank=16, optimizer="adamw8bit"),
+        Case(config="small", method="lora", base_bits=4),
+        Case(config="small", method="lora", dtype="bf16", base_bits=4),
+        Case(config="small", method="lora", base_bits=4, grad_checkpointing=True),
+        Case(config="small", method="lora", rank=16, dtype="bf16", base_bits=4, optimizer="adamw8bit"),
     ]
 
 
@@ -232,8 +268,9 @@ def write_report(rows: list[tuple[Case, dict[str, float]]], path: Path, command:
         "Measured = peak live tensor bytes from torch's memory profiler (allocator events); RSS delta (which also",
         "holds profiler buffers and lazily imported modules) is a cross-check only. Estimate = `services.plan.memory.trainer_memory` with GPU overheads set to zero.",
         "",
-        "| config | method | dtype | micro-batch x tokens | accum | ckpt | estimate MiB | measured MiB | error | RSS delta MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| config | method | dtype | micro-batch x tokens | accum | ckpt | optimizer | base bits | estimate MiB "
+        "| measured MiB | error | RSS delta MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     worst = 0.0
     for case, r in rows:
@@ -242,14 +279,19 @@ def write_report(rows: list[tuple[Case, dict[str, float]]], path: Path, command:
         lines.append(
             f"| {case.config} | {case.method}{'-r' + str(case.rank) if case.method == 'lora' else ''} | {case.dtype} "
             f"| {case.micro_batch} x {case.prompt_len + case.completion_len} | {case.accum} "
-            f"| {'on' if case.grad_checkpointing else 'off'} | {r['estimate'] * mb:.1f} | {r['measured'] * mb:.1f} "
+            f"| {'on' if case.grad_checkpointing else 'off'} | {case.optimizer} | {case.base_bits} "
+            f"| {r['estimate'] * mb:.1f} | {r['measured'] * mb:.1f} "
             f"| {err:+.1%} | {r['rss_delta'] * mb:.0f} |"
         )
     lines += [
         "",
         f"Largest absolute error: **{worst:.1%}** (tests assert the stated tolerance, see docs/plan.md).",
     ]
-    path.write_text("\n".join(lines) + "\n")
+    # bench/gpu_check.py owns the GPU section at the end of the file: keep it.
+    gpu = "## GPU (CUDA, bf16)"
+    old = path.read_text() if path.exists() else ""
+    tail = ("\n" + gpu + old.split(gpu, 1)[1]) if gpu in old else ""
+    path.write_text("\n".join(lines) + "\n" + tail)
     return worst
 
 

@@ -15,6 +15,8 @@ Guarantees (docs/architecture.md, invariants 2, 3, 8):
 - `leave()` takes a consumer out of its group for good (a burst-side replica whose burst
   ended): its pending entries go to a live peer, and the consumer is deleted only once it
   holds none, so nothing it was handed stays pending forever;
+- `inject()` puts a group that no upstream entry carries (an agent's, docs/agents.md) on a
+  stream and counts it fed, or counts it fed and dropped, once per group id, in one script;
 - `spill()` moves ready entries into the backlog's disk tier (shared/backlog.py): once their
   segment is in the store, one script checks they are still pending to the spiller, XACKs
   them, bumps the ledger's `spilled` and indexes the segment, so each is spilled once.
@@ -36,7 +38,7 @@ import msgspec
 import redis
 
 from shared import keys
-from shared.bus_scripts import ACK_LUA, FENCED_ACK_LUA, LEAVE_LUA, SETTLE_LUA, SPILL_LUA, TRIM_LUA
+from shared.bus_scripts import ACK_LUA, FENCED_ACK_LUA, INJECT_LUA, LEAVE_LUA, SETTLE_LUA, SPILL_LUA, TRIM_LUA
 from shared.lease import Fence, LeaseLost
 from shared.schema import DeadLetter, Message, decode, encode_dead
 
@@ -453,6 +455,31 @@ class Bus:
         log.error("dead-lettering %s %s: %s", e.stream, e.id, reason)
         d = DeadLetter(stream=e.stream, entry_id=e.id, reason=reason, payload=e.data, at=time.time())
         self.forward([e], [(keys.dead_letter(e.job_id), encode_dead(d))], {e.job_id: {"dead": 1}})
+
+
+def inject(
+    r: redis.Redis,
+    job_id: str,
+    group_id: str,
+    outputs: list[tuple[str, bytes]],
+    counters: dict[str, int],
+    *,
+    outcome: str,
+) -> bool:
+    """Hand on a group no stream entry carried here (an agent group): XADD `outputs` and bump
+    `counters`, only if `group_id` has no outcome yet in the job's agent_groups hash, which
+    records `outcome` in the same script. True: done now; False: it was done before, so a
+    retried close (or a close racing a deadline) never counts a group twice."""
+    for stream, _ in outputs:
+        if keys.job_of_stream(stream) != job_id:
+            raise ValueError(f"inject() for job {job_id} got an output stream of another job: {stream}")
+    args: list[bytes | str | int] = [FIELD, group_id, outcome, len(outputs), *[p for _, p in outputs], len(counters)]
+    for name, n in counters.items():
+        args += [name, n]
+    got = r.eval(
+        INJECT_LUA, 2 + len(outputs), keys.agent_groups(job_id), keys.ledger(job_id), *[s for s, _ in outputs], *args
+    )
+    return bool(int(got))
 
 
 def undelivered(r: redis.Redis, stream: str, group: str, *, limit: int) -> int:

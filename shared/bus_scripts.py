@@ -8,6 +8,7 @@ bus's Python reads in one sitting.
 - SPILL_LUA: move entries from the ready stream into an indexed backlog segment, all or nothing;
 - TRIM_LUA: delete what every consumer group has acknowledged;
 - LEAVE_LUA: a consumer leaving its group for good hands its pending entries to a live peer.
+- INJECT_LUA: put a group that no upstream entry carries (an agent's) on the bus, once.
 """
 
 from __future__ import annotations
@@ -150,4 +151,21 @@ if #left == 0 then
   return {handed, 0, 1}
 end
 return {handed, #left, 0}
+"""
+
+
+# A group born outside the streams (an agent group, docs/agents.md) enters the ledger once.
+# KEYS: the job's agent_groups hash, ledger, then the output streams. ARGV: field, group id,
+# outcome, n_outputs, payloads..., n_counters, (name, n)... Returns 1 if done now; 0 if the
+# group id already has an outcome (nothing added or counted).
+INJECT_LUA = """
+if redis.call('HSETNX', KEYS[1], ARGV[2], ARGV[3]) == 0 then return 0 end
+local nout = tonumber(ARGV[4])
+for j = 1, nout do redis.call('XADD', KEYS[2 + j], '*', ARGV[1], ARGV[4 + j]) end
+local i = 5 + nout
+for _ = 1, tonumber(ARGV[i]) do
+  redis.call('HINCRBY', KEYS[2], ARGV[i + 1], tonumber(ARGV[i + 2]))
+  i = i + 2
+end
+return 1
 """

@@ -17,6 +17,7 @@ import redis
 from pydantic import BaseModel, Field, StringConstraints, field_validator, model_validator
 
 from shared import keys
+from shared.agent_spec import AgentSpec
 from shared.algorithm import AlgorithmSpec
 from shared.env_spec import EnvSpec
 from shared.limits import (
@@ -156,6 +157,10 @@ class JobSpec(SpecModel):
         default_factory=BacklogSpec,
         description="Keep generating while no trainer holds the job, into a bounded backlog with a disk tier.",
     )
+    agent: AgentSpec = Field(
+        default_factory=AgentSpec,
+        description="Episodes driven by agents through rollout's OpenAI-compatible endpoint instead of the feeder.",
+    )
 
     @field_validator("name")
     @classmethod
@@ -210,6 +215,17 @@ class JobSpec(SpecModel):
                     f"algorithm.advantage_level = 'turn' works with advantage grpo, dr_grpo or rloo, not "
                     f"{a.advantage!r} (distill is already per token)"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _agent_alone(self) -> Self:
+        if self.agent.enabled and self.env.name:
+            raise ValueError(
+                "agent.enabled and env.name both set: an agent job's turns come from its agents, not from an "
+                "environment; unset one of them"
+            )
+        if self.agent.enabled and self.backlog.enabled:
+            raise ValueError("agent.enabled with backlog.enabled: agents generate on demand, there is nothing to spill")
         return self
 
     @model_validator(mode="after")

@@ -83,6 +83,13 @@ def ledger(job_id: str) -> str:
     return f"{PREFIX}:{job_id}:ledger"
 
 
+def agent_groups(job_id: str) -> str:
+    """Hash group id -> outcome ("bus" or "dropped_<reason>") of every agent group that left
+    rollout (docs/agents.md): written in the same script that hands it on or counts it
+    dropped, only if absent, so each agent group enters the ledger once."""
+    return f"{PREFIX}:{job_id}:agent_groups"
+
+
 def metrics(job_id: str) -> str:
     """Stream of MetricPoint entries (the job's durable time series)."""
     return f"{PREFIX}:{job_id}:metrics"

@@ -59,6 +59,23 @@ ARG_NUMBER_MAX = 2**53
 # The truncated importance-sampling cap: papers use 2..10; past 100 it truncates nothing.
 TIS_CAP_MAX = 100.0
 
+# -- the agent endpoint (services/rollout/agent_routes.py, docs/agents.md) -------------------
+# Messages in one chat request: an agent sends its whole history each turn; 256 messages is a
+# long tool-use episode (AGENT_MAX_TURNS model turns, each with a few tool results) with room.
+CHAT_MESSAGES_MAX = 256
+# Characters of one message's content (or of a completions prompt): the engine's context is
+# the real bound (at most a few 10k tokens); 128k characters is well past any context here.
+CHAT_CONTENT_MAX_CHARS = 131_072
+# A chat request body: CHAT_MESSAGES_MAX messages of modest size; refused (413) before parsing.
+CHAT_BODY_MAX_BYTES = 4 << 20
+# Tools (function schemas) one request may declare, and stop strings it may add.
+CHAT_TOOLS_MAX = 64
+# Model turns one episode may take (AgentSpec.max_turns is at most this).
+AGENT_MAX_TURNS = 64
+# Episodes (agent sessions) one rollout replica keeps open at once, over all jobs: each holds
+# its token ids in memory and a lease on a policy version.
+AGENT_OPEN_EPISODES_MAX = 4096
+
 # -- what the job's status warns about ---------------------------------------------------------
 # Share of a job's recent completions that ended at the length cap above which its status
 # warns that completions are being cut off (sampling.max_tokens or the engine's context).

@@ -103,6 +103,8 @@ class Feeder:
             return 0
         if rec.state != JobState.running:
             return 0
+        if rec.spec.agent.enabled:  # its groups come from agents, through rollout (docs/agents.md)
+            return 0
         if not self._budget_holds(rec):
             return 0
         led = read_ledger(self.r, rec.id)

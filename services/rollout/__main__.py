@@ -69,6 +69,13 @@ def main() -> None:
             log.critical("%s", e)
             raise SystemExit(2) from e
     rt = ServiceRuntime("rollout", settings)
+    from services.rollout import agent_routes
+    from services.rollout.agents import AgentServer
+
+    # The OpenAI-compatible agent endpoint (docs/agents.md): routed from the start, 503 until
+    # the engine and the worker are up.
+    served: dict[str, AgentServer] = {}
+    agent_routes.install(rt, lambda: served.get("agents"))
     rt.start()
     # An unknown model path or an unreachable remote engine keeps the service up and
     # not-ready with the reason, retrying; no prompt is read meanwhile, so none is lost.
@@ -94,6 +101,7 @@ def main() -> None:
 
     store = open_store(settings.store_url)
     worker = RolloutWorker(rt, settings, engine, store)
+    served["agents"] = worker.agents
     # Beside the engine loop: moves the ready groups of backlog jobs beyond their hot window to the store.
     spiller = Spiller(rt, store, replica=settings.replica, model=settings.model, claim_idle_s=settings.claim_idle_s)
     spilling = spiller.start()

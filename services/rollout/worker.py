@@ -6,7 +6,9 @@ Each tick:
 2. refresh the served jobs and adopt each one's newest version (services/rollout/adoption.py);
 3. run one round of a held-out evaluation, if one is due (services/rollout/evaluation.py);
 4. run one generation round over the served jobs' prompts (services/rollout/generation.py),
-   adopting first any version published meanwhile.
+   adopting first any version published meanwhile;
+5. run the agent turns queued by the OpenAI-compatible endpoint, drop agent groups past their
+   deadline (services/rollout/agents.py).
 An evaluation round and a generation round are of similar size, so a version published at
 any moment is adopted within one round of each, however long an evaluation runs.
 
@@ -22,6 +24,7 @@ import shutil
 import uuid
 
 from services.rollout.adoption import Adopter
+from services.rollout.agents import AgentServer
 from services.rollout.engine import Engine
 from services.rollout.errors import AdapterError, EngineUnavailable, ProbeMismatch, RequestFailed
 from services.rollout.evaluation import Evaluator
@@ -58,6 +61,7 @@ class RolloutWorker:
         self.adopter = Adopter(rt, settings, engine, store, self.leases, self.reporter, self.jobs, self.cache)
         self.evaluator = Evaluator(rt, settings, self.leases)
         self.generator = Generator(rt, settings, self.bus, self.leases, self.adopter.adopt_latest)
+        self.agents = AgentServer(rt, settings.model, self.leases, self.jobs)
 
     # -- the loop --------------------------------------------------------------------
     def tick(self) -> None:
@@ -67,9 +71,13 @@ class RolloutWorker:
             return
         try:
             self.refresh_jobs()
+            self.agents.step()
             self.evaluator.step(self.jobs)
-            # While an evaluation has rounds left, do not wait for prompts: its next round is due.
-            self.generator.generate_once(self.jobs, block_ms=1 if self.evaluator.generating else 500)
+            # While an evaluation has rounds left, do not wait for prompts: its next round is due;
+            # while agents have groups open, their next turn is due within a few tens of ms.
+            busy = self.evaluator.generating or self.agents.active
+            self.generator.generate_once(self.jobs, block_ms=1 if self.evaluator.generating else 20 if busy else 500)
+            self.agents.step()
         except EngineUnavailable as e:  # entries stay pending: replayed once the engine is back
             self._engine_down(e)
 
@@ -162,6 +170,7 @@ class RolloutWorker:
         )
 
     def close(self) -> None:
+        self.agents.close_all()
         self.evaluator.close()
         for view in self.jobs.values():
             for x in [view.current, *view.retiring]:

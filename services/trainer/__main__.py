@@ -51,20 +51,18 @@ def main(argv: list[str] | None = None) -> None:
     from services.trainer.distributed import CMD_EXIT, CMD_STEP, Comm
     from services.trainer.loop import JobTrainer
     from services.trainer.progress import note_failure
+    from services.trainer.quant import SaverUnavailable, check_savers
     from services.trainer.sharding import ShardingError, check_sharding, resolve_device
     from shared.lease import LeaseKeeper, LeaseLost
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
     comm = Comm.from_env()
+    device = resolve_device(settings.device)
     try:  # before claiming anything: a setting this machine cannot run is the operator's to fix
-        check_sharding(
-            sharding=settings.sharding,
-            cpu_offload=settings.cpu_offload,
-            world=comm.world,
-            device=resolve_device(settings.device),
-        )
-    except ShardingError as e:
+        check_sharding(sharding=settings.sharding, cpu_offload=settings.cpu_offload, world=comm.world, device=device)
+        check_savers(settings, device)  # refuse, never fall back to 16 bit
+    except (ShardingError, SaverUnavailable) as e:
         log.error("%s", e)
         raise SystemExit(f"trainer: {e}") from None
     store = open_store(settings.store_url)

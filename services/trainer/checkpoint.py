@@ -65,22 +65,46 @@ def ckpt_prefix(job_id: str, step: int) -> str:
 
 
 def optimizer_to_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """The optimizer's per-parameter state as flat safetensors keys, and its param groups (JSON).
+
+    `state.{idx}.{name}` holds a tensor; `pystate.{idx}.{name}` a Python number (bitsandbytes'
+    8-bit AdamW keeps `step` as an int and must get an int back). A nested dict (bitsandbytes
+    wraps its quantization tensors in one) flattens to `{name}.{inner}`."""
     sd = opt.state_dict()
     tensors = {}
+    seen: set[int] = set()
+
+    def put(idx: int, name: str, val: object) -> None:
+        if isinstance(val, dict):
+            for k, v in val.items():
+                put(idx, f"{name}.{k}", v)
+        elif torch.is_tensor(val):
+            t = val.detach().cpu().contiguous()
+            # safetensors refuses tensors that share storage (bitsandbytes gives every
+            # parameter the same quantization maps): those few KB are stored once per key.
+            ptr = t.untyped_storage().data_ptr()
+            tensors[f"state.{idx}.{name}"] = t.clone() if ptr in seen else t
+            seen.add(ptr)
+        else:
+            tensors[f"pystate.{idx}.{name}"] = torch.tensor(val)
+
     for idx, st in sd["state"].items():
         for name, val in st.items():
-            t = val if torch.is_tensor(val) else torch.tensor(val)
-            tensors[f"state.{idx}.{name}"] = t.detach().cpu().contiguous()
+            put(idx, name, val)
     return tensors, sd["param_groups"]
 
 
 def optimizer_from_tensors(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], groups: list[dict]) -> None:
-    state: dict[int, dict[str, torch.Tensor]] = {}
+    state: dict[int, dict[str, Any]] = {}
     for key, t in tensors.items():
-        if not key.startswith("state."):  # e.g. "rng.torch" shares the file
+        kind, _, rest = key.partition(".")
+        if kind not in ("state", "pystate"):  # e.g. "rng.torch" shares the file
             continue
-        _, idx, name = key.split(".", 2)
-        state.setdefault(int(idx), {})[name] = t
+        idx, *path = rest.split(".")
+        node = state.setdefault(int(idx), {})
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = t if kind == "state" else t.item()
     opt.load_state_dict({"state": state, "param_groups": groups})
 
 

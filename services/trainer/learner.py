@@ -28,6 +28,7 @@ from services.trainer.advantages import compute_advantages, compute_turn_advanta
 from services.trainer.batch import Batch, collate
 from services.trainer.corrections import m2po_cutoff
 from services.trainer.losses import LossConfig, lr_lambda, policy_loss
+from services.trainer.optim import build_optimizer
 from services.trainer.sharding import is_sharded
 from services.trainer.stats import MEAN_KEYS, finish
 from shared.job import JobSpec
@@ -104,13 +105,14 @@ class Learner:
         world: int = 1,
         rank: int = 0,
         micro_batch_tokens: int = 0,
+        optimizer: str = "adamw",
     ) -> None:
         self.model, self.spec, self.pad_id, self.grad_clip, self.device = model, spec, pad_id, grad_clip, device
         self.world, self.rank = world, rank
         self.micro_batch_tokens = micro_batch_tokens
         self.sharded = is_sharded(model)  # FSDP2: gradients arrive reduce-scattered, passes must match
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=spec.learning_rate, weight_decay=0.0)
+        self.opt = build_optimizer(self.params, optimizer, lr=spec.learning_rate)  # adamw | adamw8bit
         a = spec.algorithm
         total = spec.steps * a.ppo_epochs * a.minibatches  # scheduler steps once per optimizer step
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(a.lr_schedule, a.warmup_steps, total))

@@ -41,6 +41,7 @@ from services.trainer.checkpoint import (
 )
 from services.trainer.distributed import CMD_FILES, CMD_OPTIMIZER, CMD_PROBE, CMD_STEP, CMD_STOP, Comm
 from services.trainer.learner import Aborted, Learner, StepResult
+from services.trainer.optim import check_resume
 from services.trainer.policy import load_policy, load_policy_files, policy_files
 from services.trainer.probe import compute_probe
 from services.trainer.progress import JobStuck, StaleStreak, clear_failures
@@ -107,6 +108,7 @@ class JobTrainer:
             seed=spec.seed,
             finetune=spec.algorithm.finetune,
             gradient_checkpointing=settings.gradient_checkpointing,
+            base_bits=settings.base_bits,
         )
         # FSDP2 (sharding=fsdp, or cpu_offload): before the optimizer exists, so it holds the
         # shards. __main__ has already refused settings that cannot run here (check_sharding).
@@ -122,6 +124,7 @@ class JobTrainer:
             world=self.comm.world,
             rank=self.comm.rank,
             micro_batch_tokens=settings.micro_batch_tokens,
+            optimizer=settings.optimizer,
         )
         self.state = TrainState()
         self.ckpt_groups: set[str] = set()  # the newest checkpoint's interval: may be redelivered
@@ -165,6 +168,7 @@ class JobTrainer:
         if ck is not None:
             step = ck.state.step
             load_policy_files(self.model, ck.files)  # into the fresh adapter: never applied on top of another
+            check_resume(self.s.optimizer, ck.opt_tensors)  # adamw state never loads into adamw8bit
             opt_tensors = local_optimizer_tensors(self.learner.opt, ck.opt_tensors) if self.sharded else ck.opt_tensors
             optimizer_from_tensors(self.learner.opt, opt_tensors, ck.param_groups)
             if ck.scheduler:

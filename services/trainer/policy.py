@@ -27,15 +27,25 @@ def load_policy(  # noqa: ANN201
     seed: int,
     finetune: str = "lora",
     gradient_checkpointing: bool = False,
+    base_bits: int = 16,
 ):
+    """`base_bits=4`: the frozen base's linears load as NF4 (services/trainer/quant.py), LoRA only."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from services.trainer.quant import check_base_bits, keep_trainable_layout, nf4_load_kwargs
+
+    check_base_bits(base_bits, finetune)
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(base_model)
     # bf16 on GPUs (the FLOPs we rent), fp32 on CPU (bf16 matmuls are slow and lossy there).
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype).to(device)
+    if base_bits == 4:
+        # Quantized as it loads (on `device`): the 16-bit base never exists in full there.
+        model = AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype, **nf4_load_kwargs(dtype, device))
+        keep_trainable_layout(model)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype).to(device)
     if gradient_checkpointing:
         # Non-reentrant: works with frozen inputs (LoRA) without enable_input_require_grads.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
