@@ -52,16 +52,19 @@ def main(argv: list[str] | None = None) -> None:
     from services.trainer.loop import JobTrainer
     from services.trainer.progress import note_failure
     from services.trainer.quant import SaverUnavailable, check_savers
+    from services.trainer.sharding import ShardingError, check_sharding, resolve_device
     from shared.lease import LeaseKeeper, LeaseLost
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
     comm = Comm.from_env()
-    device = settings.device if settings.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        check_savers(settings, device)  # before any job is claimed: refuse, never fall back to 16 bit
-    except SaverUnavailable as e:
-        raise SystemExit(f"trainer: {e}") from e
+    device = resolve_device(settings.device)
+    try:  # before claiming anything: a setting this machine cannot run is the operator's to fix
+        check_sharding(sharding=settings.sharding, cpu_offload=settings.cpu_offload, world=comm.world, device=device)
+        check_savers(settings, device)  # refuse, never fall back to 16 bit
+    except (ShardingError, SaverUnavailable) as e:
+        log.error("%s", e)
+        raise SystemExit(f"trainer: {e}") from None
     store = open_store(settings.store_url)
     if not comm.is_main:
         _follower(settings, store, comm)

@@ -159,12 +159,16 @@ def save_checkpoint(
     *,
     epoch: int = 0,
     before_manifest: Callable[[], None] | None = None,
+    opt_state: tuple[dict[str, torch.Tensor], list[dict]] | None = None,
 ) -> str:
     """Upload files, optimizer and state, then the manifest (the checkpoint exists from then on).
 
     `epoch`: the writer's lease epoch, kept in the manifest so readers can refuse a deposed
-    trainer's checkpoint (shared/fence.py); `before_manifest` may raise to abandon it."""
-    tensors, groups = optimizer_to_tensors(opt)
+    trainer's checkpoint (shared/fence.py); `before_manifest` may raise to abandon it.
+    `opt_state`: `opt`'s tensors and param groups when the caller gathered them already (FSDP:
+    services/trainer/sharding.py), in the same format, so the checkpoint loads at any world size."""
+    tensors, groups = opt_state if opt_state is not None else optimizer_to_tensors(opt)
+    tensors = dict(tensors)
     rng_tensors, rng_meta = rng_capture()
     tensors.update(rng_tensors)
     out = dict(files)

@@ -17,6 +17,10 @@ import torch
 import torch.distributed as dist
 
 CMD_STOP, CMD_STEP, CMD_EXIT = 0, 1, 2
+# Under FSDP gathering the weights (for a version or a checkpoint), the optimizer states (for a
+# checkpoint) and the probe's forward are collectives too: rank 0 announces each one and the
+# followers join it (services/trainer/sharding.py), so they never have to guess its decisions.
+CMD_FILES, CMD_OPTIMIZER, CMD_PROBE = 3, 4, 5
 
 
 class Comm:
@@ -34,7 +38,9 @@ class Comm:
         if world == 1:
             return cls()
         if not dist.is_initialized():
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            # On GPUs: nccl for CUDA tensors, gloo for the CPU ones (the command and batch
+            # broadcasts, the stats sums, FSDP's offloaded shards).
+            backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
             # Long timeout: followers wait in a broadcast while rank 0 waits for data.
             dist.init_process_group(backend, timeout=timedelta(hours=12))
             if torch.cuda.is_available():

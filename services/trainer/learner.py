@@ -8,6 +8,10 @@ broadcasts it as msgpack bytes, never pickle); within each mini-batch rank r tra
 groups r, r+W, r+2W, ... Losses are normalised by the mini-batch's *global* token and
 sequence counts and gradients are summed across ranks, so W processes take exactly the
 step one process takes on the same global batch (up to float summation order).
+
+Under FSDP (services/trainer/sharding.py) the same split holds, but FSDP's reduce-scatter sums
+the gradients, and every forward and backward is a collective: a rank with fewer passes in a
+mini-batch runs idle ones (a two-token forward, a zero backward) so all ranks run as many.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from services.trainer.advantages import compute_advantages, compute_turn_advantages, kl_penalised_rewards
 from services.trainer.batch import Batch, collate
 from services.trainer.corrections import m2po_cutoff
 from services.trainer.losses import LossConfig, lr_lambda, policy_loss
 from services.trainer.optim import build_optimizer
+from services.trainer.sharding import is_sharded
 from services.trainer.stats import MEAN_KEYS, finish
 from shared.job import JobSpec
 from shared.ml.chunked_logprobs import check_model, head_params, model_token_logprobs, resolve_logits_chunk
@@ -110,6 +116,7 @@ class Learner:
         # refused here, at start-up, not at the first batch.
         check_model(model)
         self.logits_chunk = resolve_logits_chunk(logits_chunk, int(head_params(model)[0].shape[0]))
+        self.sharded = is_sharded(model)  # FSDP2: gradients arrive reduce-scattered, passes must match
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.opt = build_optimizer(self.params, optimizer, lr=spec.learning_rate)  # adamw | adamw8bit
         a = spec.algorithm
@@ -148,7 +155,7 @@ class Learner:
 
     def _sync_grads(self) -> None:
         """Sum gradients across ranks (each rank's loss already carries the global denominator)."""
-        if self.world == 1:
+        if self.world == 1 or self.sharded:  # FSDP reduce-scatters (sums) them in backward
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -158,6 +165,23 @@ class Learner:
             n = p.numel()
             p.grad = flat[off : off + n].view_as(p).to(p.dtype)
             off += n
+
+    def _idle_passes(self, passes: list[list[list[int]]]) -> list[int]:
+        """Per mini-batch, how many passes this rank must add to run as many as the busiest
+        rank (FSDP only: each forward and backward all-gathers, so the counts must agree)."""
+        if not self.sharded or self.world == 1:
+            return [0] * len(passes)
+        mine = torch.tensor([len(c) for c in passes], dtype=torch.long)
+        most = mine.clone()
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return (most - mine).tolist()
+
+    def _idle_pass(self, b: Batch, *, backward: bool) -> None:
+        """A pass that joins the other ranks' collectives and adds nothing to the gradients."""
+        ids = b.input_ids[:1, :2].to(self.device)
+        logits = self.model(input_ids=ids).logits
+        if backward:
+            (logits.sum() * 0.0).backward()
 
     def _all_cat(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's 1-D tensor, concatenated in rank order (ranks may hold different lengths)."""
@@ -239,6 +263,7 @@ class Learner:
         ]
         lengths = b.attention_mask.sum(dim=1).tolist()
         passes = [self._chunks(lengths, rows) for rows in local]
+        idle = self._idle_passes(passes)
         res = StepResult(tokens=b.tokens)
         self.model.train()
         t0 = time.perf_counter()
@@ -253,6 +278,8 @@ class Learner:
                 for i, chunks in enumerate(passes):
                     for j, rows in enumerate(chunks):
                         old[i, j] = self._forward(b, rows)[0].detach()
+                    for _ in range(idle[i]):
+                        self._idle_pass(b, backward=False)
         cuts: list[float | None] = [None] * len(passes)
         if cfg.mismatch == "m2po" and anchored:  # a collective: a rank with no rows takes part too
             cuts = [self._m2po_cut(b, c, [old[i, j] for j in range(len(c))]) for i, c in enumerate(passes)]
@@ -293,9 +320,12 @@ class Learner:
                     st.pop("pg_loss", None)
                     for k, v in st.items():
                         sums[k] = sums.get(k, 0.0) + v * n
+                for _ in range(idle[i]):
+                    self._idle_pass(b, backward=True)
                 t1 = time.perf_counter()
                 self._sync_grads()
-                res.grad_norm += float(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
+                norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+                res.grad_norm += float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
                 self.opt.step()
                 self.sched.step()
                 self.opt.zero_grad(set_to_none=True)

@@ -29,7 +29,6 @@ import time
 from collections import deque
 
 import redis
-import torch
 
 from services.trainer.admit import not_trainable, staleness_limit, too_old
 from services.trainer.checkpoint import (
@@ -40,7 +39,7 @@ from services.trainer.checkpoint import (
     rng_restore,
     save_checkpoint,
 )
-from services.trainer.distributed import CMD_STEP, CMD_STOP, Comm
+from services.trainer.distributed import CMD_FILES, CMD_OPTIMIZER, CMD_PROBE, CMD_STEP, CMD_STOP, Comm
 from services.trainer.learner import Aborted, Learner, StepResult
 from services.trainer.optim import check_resume
 from services.trainer.policy import load_policy, load_policy_files, policy_files
@@ -49,6 +48,14 @@ from services.trainer.progress import JobStuck, StaleStreak, clear_failures
 from services.trainer.publishing import Publisher
 from services.trainer.retention import Retention, prune_versions
 from services.trainer.settings import TrainerSettings
+from services.trainer.sharding import (
+    full_optimizer_tensors,
+    gathered_policy_files,
+    local_optimizer_tensors,
+    resolve_device,
+    shard_model,
+    wants_fsdp,
+)
 from services.trainer.sources import Ref, SegmentRef, Sources
 from services.trainer.step_report import Session, StepTimes, step_point, zero_variance
 from shared import keys
@@ -93,7 +100,7 @@ class JobTrainer:
             claim_idle_ms=int(settings.claim_idle_s * 1000),
         )
         spec = rec.spec
-        self.device = settings.device if settings.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = resolve_device(settings.device)
         self.model, self.tok = load_policy(
             spec.base_model,
             rank=spec.lora_rank,
@@ -104,6 +111,11 @@ class JobTrainer:
             gradient_checkpointing=settings.gradient_checkpointing,
             base_bits=settings.base_bits,
         )
+        # FSDP2 (sharding=fsdp, or cpu_offload): before the optimizer exists, so it holds the
+        # shards. __main__ has already refused settings that cannot run here (check_sharding).
+        self.sharded = wants_fsdp(sharding=settings.sharding, cpu_offload=settings.cpu_offload)
+        if self.sharded:
+            self.model = shard_model(self.model, device=self.device, cpu_offload=settings.cpu_offload)
         self.learner = Learner(
             self.model,
             spec,
@@ -171,7 +183,8 @@ class JobTrainer:
             step = ck.state.step
             load_policy_files(self.model, ck.files)  # into the fresh adapter: never applied on top of another
             check_resume(self.s.optimizer, ck.opt_tensors)  # adamw state never loads into adamw8bit
-            optimizer_from_tensors(self.learner.opt, ck.opt_tensors, ck.param_groups)
+            opt_tensors = local_optimizer_tensors(self.learner.opt, ck.opt_tensors) if self.sharded else ck.opt_tensors
+            optimizer_from_tensors(self.learner.opt, opt_tensors, ck.param_groups)
             if ck.scheduler:
                 # Restores last_epoch without stepping; the optimizer's lr came back with its param groups.
                 self.learner.sched.load_state_dict(ck.scheduler)
@@ -255,11 +268,33 @@ class JobTrainer:
             log.warning("job %s: could not record the session %s: %s", self.rec.id, event, e)
 
     def _follow(self) -> None:
-        """Ranks > 0: train each batch rank 0 broadcasts, until it says stop."""
-        while self.comm.broadcast_int(0) == CMD_STEP:
-            groups = [decode(b, GroupMsg) for b in self.comm.broadcast_bytes(None)]
-            self.learner.train_batch(groups)
-            self.state.step += 1
+        """Ranks > 0: train each batch rank 0 broadcasts, and join each gather it announces
+        (FSDP), until it says stop."""
+        while (cmd := self.comm.broadcast_int(0)) != CMD_STOP:
+            if cmd == CMD_STEP:
+                groups = [decode(b, GroupMsg) for b in self.comm.broadcast_bytes(None)]
+                self.learner.train_batch(groups)
+                self.state.step += 1
+            elif cmd == CMD_FILES:
+                self._policy_files()
+            elif cmd == CMD_OPTIMIZER:
+                full_optimizer_tensors(self.learner.opt)
+            elif cmd == CMD_PROBE:
+                compute_probe(self.model, self.tok, self.rec.spec.task, self.s.logits_chunk)
+            else:  # CMD_EXIT: rank 0 gave up mid-job (its error is in its log); end this rank too
+                raise RuntimeError(f"rank {self.comm.rank}: rank 0 sent command {cmd} while a job was open")
+
+    def _collective(self, cmd: int) -> None:
+        """Rank 0, before a gather or a forward under FSDP: bring the followers into it."""
+        if self.sharded and self.comm.world > 1 and self.comm.is_main:
+            self.comm.broadcast_int(cmd)
+
+    def _policy_files(self) -> dict[str, bytes]:
+        """The policy files of the current weights (on a follower under FSDP: its part of the gather)."""
+        if not self.sharded:
+            return policy_files(self.model, self.rec.spec.base_model)
+        self._collective(CMD_FILES)
+        return gathered_policy_files(self.model, self.rec.spec.base_model, main=self.comm.is_main)
 
     def _out_of_budget(self, *, about_to_step: bool) -> bool:
         """Whether a (step and) a checkpoint would no longer fit before the deadline."""
@@ -342,7 +377,7 @@ class JobTrainer:
         d = self.state.data
         d["groups_trained"] = d.get("groups_trained", 0) + len(items)
         d["last_entry_id"] = items[-1][0].id
-        files = policy_files(self.model, spec.base_model)
+        files = self._policy_files()
         t_ckpt = 0.0
         checkpointed = self.state.step % self.s.checkpoint_every == 0 or self.state.step >= spec.steps
         if checkpointed:
@@ -416,8 +451,12 @@ class JobTrainer:
     def _checkpoint(self, files: dict[str, bytes] | None = None, *, ack: bool = True) -> float:
         """Store the full state (files first, manifest last); returns the seconds it took."""
         t0 = time.time()
-        files = files if files is not None else policy_files(self.model, self.rec.spec.base_model)
+        files = files if files is not None else self._policy_files()
         self.state.trained_groups = [gid for _, gid in self.since_ckpt]
+        opt_state = None
+        if self.sharded:  # full tensors, so any world size (or the one-process path) can resume it
+            self._collective(CMD_OPTIMIZER)
+            opt_state = full_optimizer_tensors(self.learner.opt)
         save_checkpoint(
             self.store,
             self.rec.id,
@@ -427,6 +466,7 @@ class JobTrainer:
             self.learner.sched,
             epoch=self._epoch(),
             before_manifest=self._assert_lease,
+            opt_state=opt_state,
         )
         dt = time.time() - t0
         self.save_times.append(dt)
@@ -474,13 +514,14 @@ class JobTrainer:
 
     # -- publishing ------------------------------------------------------------------
     def _publish(self, files: dict[str, bytes]) -> None:
+        self._collective(CMD_PROBE)
         probe = compute_probe(self.model, self.tok, self.rec.spec.task, self.s.logits_chunk)
         if at := self.publisher.publish(self.state.step, files, probe):
             self.progress.published(self.state.step, at)
 
     def _publish_if_missing(self) -> None:
         if not self.publisher.exists(self.state.step):
-            self._publish(policy_files(self.model, self.rec.spec.base_model))
+            self._publish(self._policy_files())
         self._advance_pointer()
 
     def _advance_pointer(self) -> None:

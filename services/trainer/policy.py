@@ -62,21 +62,24 @@ def is_lora(model) -> bool:  # noqa: ANN001
     return hasattr(model, "peft_config")
 
 
-def adapter_files(model, base_model: str) -> dict[str, bytes]:  # noqa: ANN001
-    """The adapter as vLLM/peft load it: safetensors weights + adapter_config.json."""
+def adapter_files(model, base_model: str, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, bytes]:  # noqa: ANN001
+    """The adapter as vLLM/peft load it: safetensors weights + adapter_config.json.
+    `state_dict`: the model's tensors when they are not its own (a sharded model's gathered ones)."""
     from peft import get_peft_model_state_dict
 
-    sd = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    sd = get_peft_model_state_dict(model, state_dict=state_dict)
+    sd = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in sd.items()}
     cfg = model.peft_config["default"].to_dict()
     cfg["base_model_name_or_path"] = base_model
     cfg = {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
     return {ADAPTER_WEIGHTS: save(sd), ADAPTER_CONFIG: json.dumps(cfg, indent=1, default=str).encode()}
 
 
-def full_files(model) -> dict[str, bytes]:  # noqa: ANN001
-    """Every file `save_pretrained` writes (handles tied embeddings and sharding)."""
+def full_files(model, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, bytes]:  # noqa: ANN001
+    """Every file `save_pretrained` writes (handles tied embeddings and sharding).
+    `state_dict`: as in `adapter_files`."""
     with tempfile.TemporaryDirectory(prefix="burstrl-weights-") as d:
-        model.save_pretrained(d, safe_serialization=True)
+        model.save_pretrained(d, safe_serialization=True, state_dict=state_dict)
         return {p.name: p.read_bytes() for p in sorted(Path(d).iterdir()) if p.is_file()}
 
 

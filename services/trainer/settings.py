@@ -86,12 +86,17 @@ class TrainerSettings(CommonSettings):
     )
     optimizer: Literal["adamw", "adamw8bit"] = Field("adamw", description="AdamW, or 8-bit AdamW states.")
     base_bits: Literal[16, 4] = Field(16, description="LoRA: bits of the frozen base weights; 4 = NF4 (QLoRA).")
-    cpu_offload: bool = Field(False, description="Keep parameters and optimizer states in host RAM (FSDP2 offload).")
+    cpu_offload: bool = Field(
+        False,
+        description="Keep parameters, gradients and optimizer states in host RAM (FSDP2's CPUOffloadPolicy; "
+        "services/trainer/sharding.py). CUDA only: refused at start-up on CPU. On one process it offloads "
+        "without sharding; under torchrun it needs sharding=fsdp.",
+    )
     sharding: Literal["ddp", "fsdp"] = Field(
         "ddp",
         description="Across torchrun processes: ddp replicates the model on every card; fsdp (FSDP2) shards "
         "weights, grads and optimizer states over them. `burstrl plan`'s k-card FSDP means fsdp under "
-        "torchrun with k processes.",
+        "torchrun with k processes; fsdp on one process is refused at start-up (use ddp).",
     )
     dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto", description="Compute dtype: auto = bfloat16 on cuda, float32 on cpu."

@@ -32,8 +32,9 @@ from services.trainer.settings import TrainerSettings
 from shared.job import JobSpec
 from shared.schema import Completion, GroupMsg, pack_f32, pack_i32, pack_u8
 from shared.store import FileStore
+from tests.support import ROOT
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = ROOT
 DEVICES = [
     "cpu",
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]),
@@ -341,7 +342,7 @@ def test_a_job_with_both_savers_crashes_and_resumes_to_the_uninterrupted_weights
     import bitsandbytes as bnb
 
     from services.trainer.loop import JobTrainer
-    from tests.support.trainer_run import Run
+    from tests.support.trainer_resume import Run
 
     def run_with_savers(where: Path) -> Run:
         run = Run(r, where, model_dir, checkpoint_every=2)

@@ -31,7 +31,7 @@ from shared.lease import Lease
 from shared.metrics import read_ledger, read_points
 from shared.policy import version_prefix
 from shared.store import get_folder, put_folder
-from tests.support.trainer_run import BATCH, JOB, STEPS, ZERO_VAR, Run
+from tests.support.trainer_resume import BATCH, JOB, STEPS, ZERO_VAR, Run
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""One trainer job's world for the resume, fencing and saver tests: Redis state, a file:// store,
-and a way to start (or restart) its trainer as the service does."""
+"""One trainer job's world for the resume tests (one process, and FSDP across world sizes):
+its groups, its Redis state and store, and a way to start (or restart) its trainer."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ STEPS, BATCH, G = 5, 2, 4
 ZERO_VAR = {3, 8}  # positions in the stream of groups with equal rewards (dropped by dynamic sampling)
 
 
-def groups_for(steps: int = STEPS) -> list[GroupMsg]:
+def resume_groups(steps: int = STEPS) -> list[GroupMsg]:
     rng = np.random.default_rng(7)
     out = []
     for i in range(steps * BATCH + len(ZERO_VAR)):
@@ -85,7 +85,7 @@ class Run:
         now = time.time()
         insert_job(r, JobRecord(id=JOB, spec=spec, state=JobState.running, created_at=now, updated_at=now))
         Bus.ensure_groups(r, JOB)
-        groups = groups_for(data_steps)
+        groups = resume_groups(data_steps)
         for g in groups:
             r.xadd(keys.ready(JOB), {FIELD: encode(g)})
         r.hset(keys.ledger(JOB), "fed", len(groups))  # as if the api had fed them
