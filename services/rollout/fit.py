@@ -29,7 +29,7 @@ GIB = 1024**3  # VLLM_CPU_KVCACHE_SPACE is in GiB
 
 
 @dataclass(frozen=True)
-class Card:
+class CardMemory:
     device: str  # "cuda:0", or "cpu" (vLLM-cpu: host memory)
     total: int  # bytes
     free: int
@@ -39,7 +39,7 @@ class DoesNotFit(Exception):
     """The replica's share does not fit beside the trainer; the message says what was measured."""
 
 
-def measure() -> Card:
+def measure() -> CardMemory:
     """The card this process's engine would run on: the first visible GPU, else host memory."""
     import torch  # lazy: the settings and their tests import this module too
 
@@ -54,12 +54,12 @@ def measure() -> Card:
             check=True,
         )
         free, total = (int(x) for x in out.stdout.split())
-        return Card("cuda:0", total, free)
+        return CardMemory("cuda:0", total, free)
     info: dict[str, int] = {}
     for line in Path("/proc/meminfo").read_text().splitlines():
         name, _, rest = line.partition(":")
         info[name] = int(rest.split()[0]) * 1024  # kB
-    return Card("cpu", info["MemTotal"], info.get("MemAvailable", info["MemFree"]))
+    return CardMemory("cpu", info["MemTotal"], info.get("MemAvailable", info["MemFree"]))
 
 
 def weights_bytes(model: str) -> int:
@@ -70,7 +70,7 @@ def weights_bytes(model: str) -> int:
     return sum(f.stat().st_size for f in folder.iterdir() if f.suffix in (".safetensors", ".bin", ".pt"))
 
 
-def check_fit(s: RolloutSettings, card: Card) -> str:
+def check_fit(s: RolloutSettings, card: CardMemory) -> str:
     """Raise DoesNotFit unless this replica fits beside the trainer; returns what was checked."""
     reserve = s.trainer_reserve_gb
     if reserve is None:

@@ -41,7 +41,7 @@ class Aborted(Exception):
 
 
 @dataclass
-class StepResult:
+class TrainResult:
     stats: dict[str, float] = field(default_factory=dict)
     grad_norm: float = 0.0
     fwd_bwd_s: float = 0.0
@@ -215,7 +215,7 @@ class Learner:
         return t.tolist()
 
     # -- one batch ---------------------------------------------------------------------
-    def train_batch(self, groups: list[GroupMsg], should_stop: Callable[[], bool] = lambda: False) -> StepResult:
+    def train_batch(self, groups: list[GroupMsg], should_stop: Callable[[], bool] = lambda: False) -> TrainResult:
         """Advantages, then ppo_epochs x minibatches optimizer steps on `groups`.
 
         `should_stop` is polled before each optimizer step; before the first one it raises
@@ -264,7 +264,7 @@ class Learner:
         lengths = b.attention_mask.sum(dim=1).tolist()
         passes = [self._chunks(lengths, rows) for rows in local]
         idle = self._idle_passes(passes)
-        res = StepResult(tokens=b.tokens)
+        res = TrainResult(tokens=b.tokens)
         self.model.train()
         t0 = time.perf_counter()
         old: dict[tuple[int, int], torch.Tensor] = {}

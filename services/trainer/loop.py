@@ -40,7 +40,7 @@ from services.trainer.checkpoint import (
     save_checkpoint,
 )
 from services.trainer.distributed import CMD_FILES, CMD_OPTIMIZER, CMD_PROBE, CMD_STEP, CMD_STOP, Comm
-from services.trainer.learner import Aborted, Learner, StepResult
+from services.trainer.learner import Aborted, Learner, TrainResult
 from services.trainer.optim import check_resume
 from services.trainer.policy import load_policy, load_policy_files, policy_files
 from services.trainer.probe import compute_probe
@@ -400,7 +400,7 @@ class JobTrainer:
     def _record(
         self,
         items: list[tuple[Ref, GroupMsg]],
-        res: StepResult,
+        res: TrainResult,
         *,
         wait_s: float,
         t_train: float,

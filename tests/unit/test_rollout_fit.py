@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from services.rollout.fit import GB, GIB, Card, DoesNotFit, check_fit, measure, weights_bytes
+from services.rollout.fit import GB, GIB, CardMemory, DoesNotFit, check_fit, measure, weights_bytes
 from services.rollout.settings import RolloutSettings
 
 H200 = int(141 * GB)
@@ -17,15 +17,15 @@ def _settings(**kw) -> RolloutSettings:
 
 def test_a_share_that_fits_beside_the_trainer_starts():
     s = _settings(gpu_memory_utilization=0.3, trainer_reserve_gb=90)
-    assert "fits beside the trainer" in check_fit(s, Card("cuda:0", H200, H200))
+    assert "fits beside the trainer" in check_fit(s, CardMemory("cuda:0", H200, H200))
     # The trainer already holds its reserve: what is free now is still enough.
-    assert "fits" in check_fit(s, Card("cuda:0", H200, H200 - int(90 * GB)))
+    assert "fits" in check_fit(s, CardMemory("cuda:0", H200, H200 - int(90 * GB)))
 
 
 def test_a_share_the_trainer_leaves_no_room_for_is_refused_with_the_measurements():
     s = _settings(gpu_memory_utilization=0.5, trainer_reserve_gb=90)
     with pytest.raises(DoesNotFit) as e:
-        check_fit(s, Card("cuda:0", H200, H200))
+        check_fit(s, CardMemory("cuda:0", H200, H200))
     msg = str(e.value)
     assert "needs 70.5 GB" in msg and "141.0 GB total" in msg and "leaves 51.0 GB" in msg
     assert "BURSTRL_ROLLOUT_GPU_MEMORY_UTILIZATION" in msg
@@ -35,16 +35,16 @@ def test_a_trainer_past_its_reserve_makes_the_replica_refuse_on_what_is_free():
     # The trainer's reserve would leave room, but it already uses more than it said.
     s = _settings(gpu_memory_utilization=0.3, trainer_reserve_gb=60)
     with pytest.raises(DoesNotFit, match=r"only 30\.0 GB are left for it .*30\.0 GB free now"):
-        check_fit(s, Card("cuda:0", H200, int(30 * GB)))
+        check_fit(s, CardMemory("cuda:0", H200, int(30 * GB)))
 
 
 def test_beside_a_trainer_the_share_must_be_set():
     with pytest.raises(DoesNotFit, match="GPU_MEMORY_UTILIZATION must be set"):
-        check_fit(_settings(trainer_reserve_gb=60), Card("cuda:0", H200, H200))
+        check_fit(_settings(trainer_reserve_gb=60), CardMemory("cuda:0", H200, H200))
 
 
 def test_without_a_reserve_nothing_is_checked():
-    assert "no trainer reserve" in check_fit(_settings(), Card("cuda:0", H200, 0))
+    assert "no trainer reserve" in check_fit(_settings(), CardMemory("cuda:0", H200, 0))
 
 
 def test_on_vllm_cpu_the_need_is_the_weights_and_the_kv_space(tmp_path, monkeypatch):
@@ -52,9 +52,9 @@ def test_on_vllm_cpu_the_need_is_the_weights_and_the_kv_space(tmp_path, monkeypa
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
     assert weights_bytes(str(tmp_path)) == 1000
     s = RolloutSettings(model=str(tmp_path), dev=True, trainer_reserve_gb=4)
-    assert "VLLM_CPU_KVCACHE_SPACE=2" in check_fit(s, Card("cpu", 8 * GIB, 8 * GIB))
+    assert "VLLM_CPU_KVCACHE_SPACE=2" in check_fit(s, CardMemory("cpu", 8 * GIB, 8 * GIB))
     with pytest.raises(DoesNotFit, match=r"needs 2\.1 GB"):
-        check_fit(s, Card("cpu", 8 * GIB, GIB))
+        check_fit(s, CardMemory("cpu", 8 * GIB, GIB))
 
 
 def test_the_reserve_is_validated():
