@@ -46,6 +46,9 @@ trainer rates, start-up (process start to the first step's start, median) and du
 billable share against the measured billable seconds / wall seconds.
 
     .venv/bin/python bench/burst.py [--full] [--setups windowed,tis,m2po,replica,trl] [--out docs/bench/burst.md]
+
+Over ~400 lines: the four setups, the lag table and the planner check share one stack, one
+billable clock and one report, so that the ratios are measured side by side in the same run.
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ process is a cross-check. The planner's prediction for the same case
     .venv/bin/python bench/chunked_logprobs.py --from-log docs/bench/chunked_logprobs.log --out ...  # no re-run
 
 Also rewrites its section of docs/plan_calibration.md (between the chunked_logprobs markers).
+
+Over ~400 lines: each case's measurement, the planner's estimate for it and the report rows sit
+together so that the calibration can be read against the code that makes it.
 """
 
 from __future__ import annotations

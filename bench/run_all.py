@@ -7,6 +7,9 @@ by side (A/B alternating) in that same process. Short settings by default; `--fu
 runs longer jobs and more rounds.
 
     .venv/bin/python bench/run_all.py [--full] [--only pipeline,staleness] [--out docs/bench.md]
+
+Over ~400 lines: the index of every benchmark (its command, its summary rows, its plot) in one
+place, so docs/bench.md is rebuilt from one table.
 """
 
 from __future__ import annotations
