@@ -201,7 +201,7 @@ def test_burst_trainer_refuses_a_wrong_password_or_an_untrusted_certificate(stac
         env["REDIS_URL"] = good.replace(stack["secrets"]["REDIS_PASSWORD"], secrets.token_hex(24))
     else:
         env["BURST_CA_CERT"] = (stack["tmp"] / "other-ca" / "ca.crt").read_text()
-    out = burst.run("run", "--rm", "-T", "trainer", check=False, timeout=300, env=env)
+    out = burst.run_once("trainer", timeout=300, env=env)
     assert out.returncode != 0, out.stdout[-2000:]
     assert says in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]
 
