@@ -127,6 +127,9 @@ def stack(request, tmp_path_factory):
     engine = Engine(tmp)
     engine.start()
     prefix = f"brc{secrets.token_hex(3)}"
+    # The burst's own network, made here (compose.test-burst.yaml says why), removed at the end.
+    burst_env["TEST_BURST_NETWORK"] = f"{prefix}-burst-net"
+    subprocess.run(["podman", "network", "create", burst_env["TEST_BURST_NETWORK"]], check=True, capture_output=True)
     projects = {
         "cpu": Project(engine, f"{prefix}-cpu", ["compose.yaml", "compose.test.yaml"], common),
         "home": Project(engine, f"{prefix}-home", HOME_FILES, common),
@@ -139,6 +142,7 @@ def stack(request, tmp_path_factory):
     finally:
         for p in projects.values():
             p.down("-v")
+        subprocess.run(["podman", "network", "rm", "-f", burst_env["TEST_BURST_NETWORK"]], capture_output=True)
         engine.stop()
 
 
