@@ -233,9 +233,11 @@ def test_job_over_http_survives_kills_and_balances_its_ledger(stack):
     wait_for(lambda: _job(stack, job_id)["policy_version"] >= 1, 900, "policy v1", every=5)
 
     # rollout, through compose. A kill through the engine counts as a manual stop for the restart
-    # policy (Docker and podman alike), so it comes back with `start`, as an operator would.
+    # policy (Docker and podman alike), so an operator brings it back: `up -d --no-deps`, since
+    # `start` also re-runs the one-shot minio-init it depends on, whose end compose then misread
+    # on podman ("didn't complete successfully: exit 1").
     home.run("kill", "rollout")
-    home.run("start", "rollout")
+    home.run("up", "-d", "--no-deps", "rollout")
     # The trainer crashes (its process killed on the host): `restart: on-failure` brings it back and
     # it resumes from its newest checkpoint in the store.
     before = burst.restarts("trainer")
