@@ -214,8 +214,11 @@ def test_burst_trainer_joins_over_tls_from_its_own_network(stack):
     burst: Project = stack["burst"]
     burst.run("up", "-d")
     burst.wait_healthy(["trainer"], timeout=600)
-    logs = burst.logs("trainer", tail=200)
-    assert "burst: Redis and the store are reachable" in logs, logs
+    said = "burst: Redis and the store are reachable"
+    try:
+        wait_for(lambda: said in burst.engine_logs("trainer"), 60, "the preflight's line in the trainer's log")
+    except TimeoutError as e:
+        raise AssertionError(f"{e}:\n{burst.engine_logs('trainer')[-4000:]}") from None
     # Its own network: the home box's services are not even names there.
     out = burst.run(
         "exec", "-T", "trainer", "python", "-c", "import socket; socket.getaddrinfo('redis', 6379)", check=False
