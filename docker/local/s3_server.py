@@ -20,7 +20,7 @@ from pathlib import Path
 from urllib.parse import quote, unquote
 
 from moto.core import DEFAULT_ACCOUNT_ID
-from moto.s3.models import s3_backends
+from moto.s3.models import FakeDeleteMarker, s3_backends
 from moto.server import DomainDispatcherApplication, create_backend_app
 from werkzeug.serving import run_simple
 
@@ -58,7 +58,9 @@ class Mirror:
                     bdir.mkdir(exist_ok=True)
                     for name in list(bucket.keys.keys()):
                         key = bucket.keys.get(name)
-                        if key is None:
+                        # In a versioned bucket a deleted object's newest version is a delete
+                        # marker (no etag, no body): the object is gone, so its file goes too.
+                        if key is None or isinstance(key, FakeDeleteMarker):
                             continue
                         seen.add((bucket.name, name))
                         if self.written.get((bucket.name, name)) != key.etag:

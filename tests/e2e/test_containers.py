@@ -127,6 +127,9 @@ def stack(request, tmp_path_factory):
     engine = Engine(tmp)
     engine.start()
     prefix = f"brc{secrets.token_hex(3)}"
+    # The burst's own network, made here (compose.test-burst.yaml says why), removed at the end.
+    burst_env["TEST_BURST_NETWORK"] = f"{prefix}-burst-net"
+    subprocess.run(["podman", "network", "create", burst_env["TEST_BURST_NETWORK"]], check=True, capture_output=True)
     projects = {
         "cpu": Project(engine, f"{prefix}-cpu", ["compose.yaml", "compose.test.yaml"], common),
         "home": Project(engine, f"{prefix}-home", HOME_FILES, common),
@@ -139,6 +142,7 @@ def stack(request, tmp_path_factory):
     finally:
         for p in projects.values():
             p.down("-v")
+        subprocess.run(["podman", "network", "rm", "-f", burst_env["TEST_BURST_NETWORK"]], capture_output=True)
         engine.stop()
 
 
@@ -201,7 +205,7 @@ def test_burst_trainer_refuses_a_wrong_password_or_an_untrusted_certificate(stac
         env["REDIS_URL"] = good.replace(stack["secrets"]["REDIS_PASSWORD"], secrets.token_hex(24))
     else:
         env["BURST_CA_CERT"] = (stack["tmp"] / "other-ca" / "ca.crt").read_text()
-    out = burst.run("run", "--rm", "-T", "trainer", check=False, timeout=300, env=env)
+    out = burst.run_once("trainer", timeout=300, env=env)
     assert out.returncode != 0, out.stdout[-2000:]
     assert says in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]
 
@@ -210,8 +214,11 @@ def test_burst_trainer_joins_over_tls_from_its_own_network(stack):
     burst: Project = stack["burst"]
     burst.run("up", "-d")
     burst.wait_healthy(["trainer"], timeout=600)
-    logs = burst.logs("trainer", tail=200)
-    assert "burst: Redis and the store are reachable" in logs, logs
+    said = "burst: Redis and the store are reachable"
+    try:
+        wait_for(lambda: said in burst.engine_logs("trainer"), 60, "the preflight's line in the trainer's log")
+    except TimeoutError as e:
+        raise AssertionError(f"{e}:\n{burst.engine_logs('trainer')[-4000:]}") from None
     # Its own network: the home box's services are not even names there.
     out = burst.run(
         "exec", "-T", "trainer", "python", "-c", "import socket; socket.getaddrinfo('redis', 6379)", check=False
@@ -229,9 +236,11 @@ def test_job_over_http_survives_kills_and_balances_its_ledger(stack):
     wait_for(lambda: _job(stack, job_id)["policy_version"] >= 1, 900, "policy v1", every=5)
 
     # rollout, through compose. A kill through the engine counts as a manual stop for the restart
-    # policy (Docker and podman alike), so it comes back with `start`, as an operator would.
+    # policy (Docker and podman alike), so an operator brings it back: `up -d --no-deps`, since
+    # `start` also re-runs the one-shot minio-init it depends on, whose end compose then misread
+    # on podman ("didn't complete successfully: exit 1").
     home.run("kill", "rollout")
-    home.run("start", "rollout")
+    home.run("up", "-d", "--no-deps", "rollout")
     # The trainer crashes (its process killed on the host): `restart: on-failure` brings it back and
     # it resumes from its newest checkpoint in the store.
     before = burst.restarts("trainer")

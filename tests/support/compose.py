@@ -134,6 +134,20 @@ class Project:
             raise AssertionError(f"docker compose {' '.join(args)} exited {out.returncode}:\n{out.stderr[-4000:]}")
         return out
 
+    def run_once(self, service: str, *, timeout: float = 600, env: dict[str, str] | None = None):
+        """`docker compose run -T SERVICE`: its exit status and output; then its container is removed.
+        Not `run --rm`: against podman 4.3's Docker API, compose then reports exit status 0 and no
+        output whatever the command did (the container is gone before compose asks how it ended)."""
+        try:
+            return self.run("run", "-T", service, check=False, timeout=timeout, env=env)
+        finally:
+            fmt = '{{.ID}} {{index .Labels "com.docker.compose.oneoff"}}'
+            ls = ["podman", "ps", "-a", "--filter", f"label=com.docker.compose.project={self.name}", "--format", fmt]
+            rows = subprocess.run(ls, capture_output=True, text=True).stdout.splitlines()
+            left = [r.split()[0] for r in rows if r.endswith(" True")]
+            if left:
+                subprocess.run(["podman", "rm", "-f", *left], capture_output=True)
+
     def foreground(self, *args: str) -> subprocess.Popen:
         """`docker compose ARGS` left running in the foreground, as a person runs `up`; output to a log."""
         log = (self.engine.tmp / f"{self.name}-fg-{len(self.attached)}.log").open("w")
@@ -193,6 +207,13 @@ class Project:
     def logs(self, *services: str, tail: int = 40) -> str:
         out = self.run("logs", "--no-color", "--tail", str(tail), *services, check=False)
         return out.stdout[-8000:] + out.stderr[-2000:]
+
+    def engine_logs(self, service: str) -> str:
+        """The service container's whole log, stdout and stderr, read from podman itself: `compose
+        logs` through podman 4.3's API has been seen to drop a line (an empty one in its place)."""
+        cid = self.container(service)["ID"]
+        out = subprocess.run(["podman", "logs", cid], capture_output=True, text=True, timeout=60)
+        return out.stdout + out.stderr
 
     def completed(self, service: str) -> bool:
         """A one-shot service ran to the end with exit status 0."""

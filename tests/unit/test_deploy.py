@@ -258,7 +258,7 @@ TEST_OVERRIDES = {
     "compose.test-burst.yaml": ["../deploy/burst/compose.burst.yaml"],
 }
 TEST_ENV = {"TEST_MODEL_DIR": "/tmp/model", "TEST_API_PORT": "18700", "TEST_REDIS_TLS_PORT": "16380"}
-TEST_ENV |= {"TEST_STORE_TLS_PORT": "19443"}
+TEST_ENV |= {"TEST_STORE_TLS_PORT": "19443", "TEST_BURST_NETWORK": "burst-net"}
 
 
 def burst_compose_env() -> dict[str, str]:
