@@ -15,6 +15,7 @@ from shared.domain.tasks import get_task, score_many, task_for_job, task_names
 from shared.domain.tasks.arith import ArithTask
 from shared.job import JobSpec
 from shared.task_spec import TaskSpec, render_template
+from tests.support import ROOT
 
 
 def job(**kw: object) -> JobSpec:
@@ -252,3 +253,18 @@ def test_reward_skips_an_unreadable_job_record_and_scores_the_rest(r) -> None:  
     assert r.xlen(keys.ready("good-000000")) == 1
     (dead,) = [decode_dead(f[FIELD]).reason for _, f in r.xrange(keys.dead_letter("bad-000000"))]
     assert "unreadable" in dead
+
+
+def test_a_process_that_never_imports_the_environments_finds_their_tasks() -> None:
+    """The trainer imports no environment, yet probes jobs on "arith3" (the calc env's task): a
+    regression from moving the spec shapes to the core, when nothing imported shared.domain.envs
+    any more and the trainer failed every publish with `unknown task 'arith3'`."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from services.trainer.probe import probe_text; "
+        "assert 'shared.domain.envs' not in sys.modules, 'imported too early to prove anything'; "
+        "print(probe_text('arith3')); print(probe_text('guess'))"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, capture_output=True)

@@ -46,8 +46,17 @@ def register_task_family(prefix: str, factory: Callable[[str, dict[str, Any]], T
     _FAMILIES[prefix] = factory
 
 
+def _load_env_tasks() -> None:
+    # The environments register their companion tasks ("arith3" with "calc", ...) when imported.
+    # A process that never imports them (the trainer, for its probe) must still find those tasks,
+    # so a name not registered yet loads them first. Lazy: shared.domain.envs imports this module.
+    import shared.domain.envs  # noqa: F401
+
+
 def make_task(name: str, args: dict[str, Any] | None = None) -> Task:
     """A task by name with its options; only task families take options."""
+    if name not in _TASKS:
+        _load_env_tasks()
     for prefix, factory in _FAMILIES.items():
         if name.startswith(prefix):
             return factory(name[len(prefix) :], dict(args or {}))
@@ -68,6 +77,7 @@ def get_task(name: str) -> Task:
 
 
 def task_names() -> list[str]:
+    _load_env_tasks()
     return sorted(_TASKS)
 
 
