@@ -40,11 +40,18 @@ test-containers: $(STAMP) images
 demo: $(STAMP)
 	$(BIN)/burstrl demo
 
+# Two pytest workers, one test file each at a time (module fixtures such as a vLLM engine stay in
+# one process): much of the suite waits on processes starting and on services polling, and two
+# workers overlap that waiting. The slow end-to-end files go first so none is left running alone
+# at the end. TEST_WORKERS=0 runs serially.
+TEST_WORKERS ?= 2
+TEST_ORDER := tests/e2e tests/integration tests/unit
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(TEST_ORDER)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(TEST_ORDER)
 
 lint: $(STAMP)
 	$(BIN)/ruff check shared services tests bench
