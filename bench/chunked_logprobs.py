@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.plan.memory import Method, TrainerKnobs, Workload, ref_memory, trainer_memory  # noqa: E402
-from services.plan.model_shape import ModelShape  # noqa: E402
+from services.plan.model_shape import ModelShape, shape_from_config  # noqa: E402
 
 QWEN25_05B = {
     "hidden_size": 896,
@@ -78,17 +78,8 @@ class Case(BaseModel):
 
 def shape(layers: int) -> ModelShape:
     c = QWEN25_05B
-    return ModelShape(
-        name=f"qwen2.5-0.5b-shaped-{layers}l",
-        num_layers=layers,
-        hidden_size=c["hidden_size"],
-        num_heads=c["num_attention_heads"],
-        num_kv_heads=c["num_key_value_heads"],
-        head_dim=c["hidden_size"] // c["num_attention_heads"],
-        intermediate_size=c["intermediate_size"],
-        vocab_size=c["vocab_size"],
-        tie_word_embeddings=True,
-        qkv_bias=True,
+    return shape_from_config(
+        {**c, "model_type": "qwen2", "num_hidden_layers": layers}, f"qwen2.5-0.5b-shaped-{layers}l"
     )
 
 

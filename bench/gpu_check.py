@@ -144,22 +144,11 @@ def estimate(case: Case) -> tuple[float | None, str]:
     """The planner's tensor bytes for `case` (no context, no slack), or None and why."""
     try:
         from services.plan.memory import Method, TrainerKnobs, Workload, trainer_memory
-        from services.plan.model_shape import ModelShape
+        from services.plan.model_shape import shape_from_config
     except ImportError as e:
         return None, f"no estimate: {e}"
     c = QWEN05B
-    shape = ModelShape(
-        name="qwen2.5-0.5b-shape",
-        num_layers=c["num_hidden_layers"],
-        hidden_size=c["hidden_size"],
-        num_heads=c["num_attention_heads"],
-        num_kv_heads=c["num_key_value_heads"],
-        head_dim=c["hidden_size"] // c["num_attention_heads"],
-        intermediate_size=c["intermediate_size"],
-        vocab_size=c["vocab_size"],
-        tie_word_embeddings=True,
-        qkv_bias=True,
-    )
+    shape = shape_from_config({**c, "model_type": "qwen2"}, "qwen2.5-0.5b-shape")
     knobs = TrainerKnobs(
         dtype="bf16",
         micro_batch=MICRO_BATCH,

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from services.plan.memory import Method, TrainerKnobs, Workload, trainer_memory  # noqa: E402
-from services.plan.model_shape import ModelShape  # noqa: E402
+from services.plan.model_shape import ModelShape, shape_from_config  # noqa: E402
 
 # Random-init Qwen2 shapes: "tiny" keeps a CI test fast; "small" has a realistic ratio of
 # vocab to hidden (the log-prob tensors matter) and enough layers for activations to dominate.
@@ -80,18 +80,7 @@ class Case(BaseModel):
 
 def case_shape(case: Case) -> ModelShape:
     c = CONFIGS[case.config]
-    return ModelShape(
-        name=f"qwen2-{case.config}",
-        num_layers=c["num_hidden_layers"],
-        hidden_size=c["hidden_size"],
-        num_heads=c["num_attention_heads"],
-        num_kv_heads=c["num_key_value_heads"],
-        head_dim=c["hidden_size"] // c["num_attention_heads"],
-        intermediate_size=c["intermediate_size"],
-        vocab_size=c["vocab_size"],
-        tie_word_embeddings=True,
-        qkv_bias=True,
-    )
+    return shape_from_config({**c, "model_type": "qwen2", "tie_word_embeddings": True}, f"qwen2-{case.config}")
 
 
 def estimate(case: Case) -> float:
