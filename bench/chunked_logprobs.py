@@ -44,6 +44,7 @@ from pydantic import BaseModel
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.plan_calibration import allocations  # noqa: E402
 from services.plan.memory import Method, TrainerKnobs, Workload, ref_memory, trainer_memory  # noqa: E402
 from services.plan.model_shape import ModelShape, shape_from_config  # noqa: E402
 
@@ -197,7 +198,6 @@ def measure(case: Case) -> dict[str, float]:
     """Run the case under torch's memory profiler; peak live tensor bytes after setup."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import _EventType
 
     torch.manual_seed(0)
     torch.set_num_threads(case.threads)
@@ -260,15 +260,7 @@ def measure(case: Case) -> dict[str, float]:
             t_work = time.perf_counter() - t0
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
-    def walk(nodes):  # type: ignore[no-untyped-def]
-        for node in nodes:
-            yield node
-            yield from walk(node.children)
-
-    allocs = sorted(
-        (e for e in walk(prof.profiler.kineto_results.experimental_event_tree()) if e.tag == _EventType.Allocation),
-        key=lambda e: e.start_time_ns,
-    )
+    allocs = allocations(prof)
     start = next(i for i, e in enumerate(allocs) if e.extra_fields.alloc_size == MARKER)
     top = max(allocs[start:], key=lambda e: e.extra_fields.total_allocated)
     op = top.parent

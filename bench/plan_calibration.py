@@ -111,7 +111,6 @@ def measure(case: Case) -> dict[str, float]:
     """Run two optimizer steps under the memory profiler; return peak live tensor bytes."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import _EventType
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -186,15 +185,7 @@ def measure(case: Case) -> dict[str, float]:
             opt.zero_grad(set_to_none=True)
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
-    def walk(nodes):  # type: ignore[no-untyped-def]
-        for node in nodes:
-            yield node
-            yield from walk(node.children)
-
-    allocs = sorted(
-        (e for e in walk(prof.profiler.kineto_results.experimental_event_tree()) if e.tag == _EventType.Allocation),
-        key=lambda e: e.start_time_ns,
-    )
+    allocs = allocations(prof)
     start = next(i for i, e in enumerate(allocs) if e.extra_fields.alloc_size == marker_bytes)
     peak = max(e.extra_fields.total_allocated for e in allocs[start:])
     setup = allocs[start].extra_fields.total_allocated - marker_bytes  # model + optimizer + inputs
@@ -203,6 +194,22 @@ def measure(case: Case) -> dict[str, float]:
         "setup": float(setup),
         "rss_delta": float(rss1 - rss0),
     }
+
+
+def allocations(prof) -> list:  # type: ignore[no-untyped-def]
+    """Every allocation event the profiler saw (`profile_memory=True`), in time order: each carries
+    `extra_fields.alloc_size` and the running total of live bytes, `extra_fields.total_allocated`."""
+    from torch.profiler._memory_profiler import _EventType
+
+    def walk(nodes):  # type: ignore[no-untyped-def]
+        for node in nodes:
+            yield node
+            yield from walk(node.children)
+
+    return sorted(
+        (e for e in walk(prof.profiler.kineto_results.experimental_event_tree()) if e.tag == _EventType.Allocation),
+        key=lambda e: e.start_time_ns,
+    )
 
 
 def run_case(case: Case, timeout: float = 600) -> dict[str, float]:

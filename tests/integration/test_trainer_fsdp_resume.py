@@ -36,7 +36,6 @@ import torch
 
 from services.cli.launch import free_port
 from services.trainer.checkpoint import checkpoint_steps, load_checkpoint
-from services.trainer.loop import JobTrainer
 from shared import keys
 from shared.bus import FIELD
 from shared.job import JobState, load_job
@@ -45,7 +44,7 @@ from shared.metrics import read_ledger, read_points
 from shared.schema import encode
 from shared.store import MANIFEST
 from tests.support import ROOT
-from tests.support.trainer_resume import BATCH, JOB, STEPS, ZERO_VAR, Run, resume_groups
+from tests.support.trainer_resume import BATCH, JOB, STEPS, ZERO_VAR, Run, crash_before_ack, resume_groups
 
 ATOL, MEAN_ATOL = 1e-4, 1e-6
 pytestmark = pytest.mark.slow  # torchrun sessions: minutes
@@ -174,14 +173,7 @@ def test_one_process_then_two_ranks_across_a_crash_before_the_ack(
     r, redis_server, tmp_path, tiny_model, reference, monkeypatch
 ):
     run = _run(r, tmp_path, tiny_model, checkpoint_every=2)
-    orig = JobTrainer._ack_checkpointed
-
-    def boom(self):  # noqa: ANN001, ANN202
-        if self.state.step == 4:
-            raise RuntimeError("injected crash after storing checkpoint 4, before acking it")
-        orig(self)
-
-    monkeypatch.setattr(JobTrainer, "_ack_checkpointed", boom)
+    crash_before_ack(monkeypatch, 4)
     with pytest.raises(RuntimeError, match="injected"):
         run.trainer().run()
     monkeypatch.undo()

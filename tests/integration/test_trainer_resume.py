@@ -31,7 +31,7 @@ from shared.lease import Lease
 from shared.metrics import read_ledger, read_points
 from shared.policy import version_prefix
 from shared.store import get_folder, put_folder
-from tests.support.trainer_resume import BATCH, JOB, STEPS, ZERO_VAR, Run
+from tests.support.trainer_resume import BATCH, JOB, STEPS, ZERO_VAR, Run, crash_before_ack
 
 
 @pytest.fixture(scope="module")
@@ -111,17 +111,10 @@ def test_crash_mid_interval_then_resume_gives_the_same_weights(r, tmp_path, mode
 
 def test_crash_between_checkpoint_and_ack_counts_each_group_once(r, tmp_path, model_dir, reference, monkeypatch):
     run = Run(r, tmp_path, model_dir, checkpoint_every=2)
-    orig = JobTrainer._ack_checkpointed
-
-    def boom(self):  # noqa: ANN001, ANN202
-        if self.state.step == 4:
-            raise RuntimeError("injected crash after storing checkpoint 4, before acking it")
-        orig(self)
-
-    monkeypatch.setattr(JobTrainer, "_ack_checkpointed", boom)
+    crash_before_ack(monkeypatch, 4)
     with pytest.raises(RuntimeError, match="injected"):
         run.trainer().run()
-    monkeypatch.setattr(JobTrainer, "_ack_checkpointed", orig)
+    monkeypatch.undo()
     t = run.trainer()
     assert t.state.step == 4 and len(t.ckpt_groups) == 2 * BATCH  # the interval 3..4 may come back
     t.run()

@@ -109,3 +109,16 @@ class Run:
         assert step == STEPS
         ck = load_checkpoint(self.store, JOB, step)
         return load(ck.files[ADAPTER_WEIGHTS]), ck.param_groups[0]["lr"]
+
+
+def crash_before_ack(monkeypatch, step: int) -> None:  # noqa: ANN001 (pytest's MonkeyPatch)
+    """The trainer raises right after storing checkpoint `step`, before acknowledging it: the
+    interval it holds is in the store but still pending on the bus. Undo with monkeypatch.undo()."""
+    orig = JobTrainer._ack_checkpointed
+
+    def boom(self):  # noqa: ANN001, ANN202
+        if self.state.step == step:
+            raise RuntimeError(f"injected crash after storing checkpoint {step}, before acking it")
+        orig(self)
+
+    monkeypatch.setattr(JobTrainer, "_ack_checkpointed", boom)
