@@ -23,8 +23,8 @@ from shared import keys
 from shared.ledger import audit
 from shared.limits import CHAT_MESSAGES_MAX
 from shared.schema import GroupMsg, decode, unpack_f32, unpack_i32, unpack_u8
-from tests.support.agents import CALC
-from tests.support.stack import service_stack, wait_for
+from tests.support.agents import CALC, agent_stack
+from tests.support.stack import wait_for
 
 TOKEN = "agent-test-token-0123456789abcdef"
 
@@ -74,26 +74,12 @@ def run_agent(base_url: str, question: str) -> tuple[str, list[dict]]:
 def test_openai_agent_episodes_enter_the_stream_token_exact(tmp_path: Path, tiny_model: Path) -> None:
     import openai
 
-    with service_stack(
-        tmp_path,
-        tiny_model,
-        ["api", "reward", "rollout"],
-        env_extra={"BURSTRL_DEV": "1", "BURSTRL_TOKEN": TOKEN},
-        store_url=f"file://{tmp_path / 'store'}",
-    ) as stack:
-        auth = {"Authorization": f"Bearer {TOKEN}"}
-        api, rollout = stack.api, stack.url("rollout")
-        spec = {
-            "name": "agent",
-            "base_model": str(tiny_model),
-            "group_size": 2,
-            "batch_size": 2,
-            "eval_size": 0,
-            "agent": {"enabled": True, "deadline_s": 120},
-        }
-        resp = httpx.post(f"{api}/v1/jobs", json=spec, headers=auth, timeout=30)
-        assert resp.status_code == 201, resp.text
-        job = resp.json()["id"]
+    agent = {"enabled": True, "deadline_s": 120}
+    roles = ["api", "reward", "rollout"]
+    with agent_stack(
+        tmp_path, tiny_model, roles, TOKEN, name="agent", group_size=2, batch_size=2, eval_size=0, agent=agent
+    ) as a:
+        stack, auth, spec, job, api, rollout = a.stack, a.auth, a.spec, a.job, a.api, a.rollout
         plain = httpx.post(f"{api}/v1/jobs", json={**spec, "name": "plain", "agent": {}}, headers=auth, timeout=30)
         plain_job = plain.json()["id"]
 
@@ -245,27 +231,10 @@ def test_openai_agent_episodes_enter_the_stream_token_exact(tmp_path: Path, tiny
 def test_agent_groups_train_and_later_groups_run_on_the_new_version(tmp_path: Path, tiny_model: Path) -> None:
     """The trainer takes rewarded agent groups like any group; a group opened after it
     published v1 runs on v1 (its turns and its GroupMsg say so), and the ledger balances."""
-    with service_stack(
-        tmp_path,
-        tiny_model,
-        ["api", "rollout", "trainer"],
-        env_extra={"BURSTRL_DEV": "1", "BURSTRL_TOKEN": TOKEN},
-        store_url=f"file://{tmp_path / 'store'}",
-    ) as stack:
-        auth = {"Authorization": f"Bearer {TOKEN}"}
-        api, rollout = stack.api, stack.url("rollout")
-        spec = {
-            "name": "agent-train",
-            "base_model": str(tiny_model),
-            "group_size": 2,
-            "batch_size": 1,
-            "steps": 2,
-            "eval_size": 0,
-            "agent": {"enabled": True},
-        }
-        resp = httpx.post(f"{api}/v1/jobs", json=spec, headers=auth, timeout=30)
-        assert resp.status_code == 201, resp.text
-        job = resp.json()["id"]
+    roles = ["api", "rollout", "trainer"]
+    spec = {"name": "agent-train", "group_size": 2, "batch_size": 1, "steps": 2, "eval_size": 0}
+    with agent_stack(tmp_path, tiny_model, roles, TOKEN, **spec, agent={"enabled": True}) as a:
+        stack, auth, job, api, rollout = a.stack, a.auth, a.job, a.api, a.rollout
         r = stack.redis.client()
 
         def group() -> dict | None:

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import httpx
 
-from shared import keys
-from shared.schema import Heartbeat, encode_heartbeat
 from shared.store import FileStore
 from tests.support.backlog import group, push_ready, runtime, spiller
-from tests.support.dashboard import CHROMIUM, TOKEN, require_browser
+from tests.support.dashboard import TOKEN, dashboard_page, require_browser
+from tests.support.heartbeats import fake_heartbeat
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
@@ -38,22 +37,7 @@ def _backlog_job(base: str, r, redis_url: str, store: FileStore) -> str:  # noqa
     push_ready(r, job_id, [group(job_id, i, sampled_at=time.time() - 3600) for i in range(40)])
     rt = runtime(redis_url, replica="view-0")
     spiller(rt, store, replica="view-0").tick()
-    r.set(
-        keys.service("rollout", "view-0"),
-        encode_heartbeat(
-            Heartbeat(
-                role="rollout",
-                replica="view-0",
-                host="box",
-                port=1,
-                version="0",
-                ready=True,
-                at=time.time(),
-                idle_frac=0.031,
-            )
-        ),
-        ex=60,
-    )
+    fake_heartbeat(r, "view-0", idle_frac=0.031)
     return job_id
 
 
@@ -86,27 +70,16 @@ def test_dashboard_json_status_and_page_show_the_backlog(stack, r, redis_server,
     assert "rollout view-0: idle 3.1%" in out.stdout
 
     require_browser()
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        try:
-            page = browser.new_page(viewport={"width": 1600, "height": 1600})
-            errors: list[str] = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(f"{base}/dashboard")
-            page.fill("#token", TOKEN)
-            page.click("#login button[type=submit]")
-            row = page.locator(f'#jobs tr[data-job="{job_id}"] td[data-backlog]')
-            expect(row).to_contain_text("32 groups", timeout=15_000)
-            expect(row).to_contain_text("oldest 0 versions")
-            expect(page.locator(f'#jobs tr[data-job="{windowed}"] td[data-backlog]')).to_contain_text("windowed")
-            expect(page.locator('#services tr[data-role="rollout"] td[data-idle]')).to_contain_text("3.1%")
-            page.select_option("#job-select", job_id)
-            page.wait_for_function("() => window.burstrl.seriesLength('backlog') >= 1", timeout=15_000)
-            assert not errors, errors
-        finally:
-            browser.close()
+    with dashboard_page(base, width=1600) as page:
+        row = page.locator(f'#jobs tr[data-job="{job_id}"] td[data-backlog]')
+        expect(row).to_contain_text("32 groups", timeout=15_000)
+        expect(row).to_contain_text("oldest 0 versions")
+        expect(page.locator(f'#jobs tr[data-job="{windowed}"] td[data-backlog]')).to_contain_text("windowed")
+        expect(page.locator('#services tr[data-role="rollout"] td[data-idle]')).to_contain_text("3.1%")
+        page.select_option("#job-select", job_id)
+        page.wait_for_function("() => window.burstrl.seriesLength('backlog') >= 1", timeout=15_000)
 
 
 def test_rollout_metrics_carry_the_backlog_gauges(r, redis_server, tmp_path):

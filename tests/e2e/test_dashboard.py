@@ -16,8 +16,9 @@ from shared import keys
 from shared.lease import Lease
 from shared.metrics import record_eval, record_point
 from shared.policy import advance_pointer
-from shared.schema import Heartbeat, encode_heartbeat, encode_point
-from tests.support.dashboard import CHROMIUM, TOKEN, require_browser
+from shared.schema import encode_point
+from tests.support.dashboard import TOKEN, dashboard_page, login, require_browser
+from tests.support.heartbeats import fake_heartbeat
 
 
 def _seed_job(base: str, r) -> str:
@@ -48,28 +49,13 @@ def _seed_job(base: str, r) -> str:
     assert lease.acquire()
     advance_pointer(r, job_id, 3, lease.fence)
     lease.release()
-    r.set(
-        keys.service("rollout", "fake-0"),
-        encode_heartbeat(
-            Heartbeat(
-                role="rollout",
-                replica="fake-0",
-                host="box",
-                port=1,
-                version="0",
-                ready=True,
-                at=time.time(),
-                policy_versions={job_id: 2},
-            )
-        ),
-        ex=60,
-    )
+    fake_heartbeat(r, "fake-0", policy_versions={job_id: 2})
     return job_id
 
 
 def test_dashboard_shows_services_queues_and_curves(stack, r, tmp_path):
     require_browser()
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     base, _ = stack
     job_id = _seed_job(base, r)
@@ -78,43 +64,32 @@ def test_dashboard_shows_services_queues_and_curves(stack, r, tmp_path):
     assert httpx.get(f"{base}/dashboard/static/vendor/uPlot.iife.min.js").status_code == 200
     assert httpx.get(f"{base}/v1/dashboard").status_code == 401
 
-    with sync_playwright() as p:
-        # Root in a container: Chromium's sandbox needs user namespaces we may not have.
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1600})
-            errors: list[str] = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(f"{base}/dashboard")
-            expect(page.locator("#status")).to_contain_text("token", timeout=10_000)  # 401 until logged in
-            assert page.locator("#services tbody tr[data-role]").count() == 0
+    with dashboard_page(base, log_in=False) as page:
+        expect(page.locator("#status")).to_contain_text("token", timeout=10_000)  # 401 until logged in
+        assert page.locator("#services tbody tr[data-role]").count() == 0
 
-            page.fill("#token", TOKEN)
-            page.click("#login button[type=submit]")
-            services = page.locator("#services tbody")
-            expect(services).to_contain_text("api", timeout=15_000)
-            expect(services).to_contain_text("reward")
-            expect(page.locator(f'#jobs tr[data-job="{job_id}"]')).to_contain_text("prompts")
-            expect(page.locator(f'#jobs tr[data-job="{job_id}"]')).to_contain_text("fake-0: v2 (1 behind)")
+        login(page)
+        services = page.locator("#services tbody")
+        expect(services).to_contain_text("api", timeout=15_000)
+        expect(services).to_contain_text("reward")
+        expect(page.locator(f'#jobs tr[data-job="{job_id}"]')).to_contain_text("prompts")
+        expect(page.locator(f'#jobs tr[data-job="{job_id}"]')).to_contain_text("fake-0: v2 (1 behind)")
 
-            page.wait_for_function("() => window.burstrl.seriesLength('reward') === 5", timeout=15_000)
-            assert page.evaluate("window.burstrl.seriesLength('eval')") == 3
-            assert page.evaluate("window.burstrl.seriesLength('kl')") == 5
-            labels = page.evaluate("window.burstrl.charts.reward.plot.series.map(s => s.label)")
-            assert {"reward_mean", "reward_parts/correct", "reward_parts/format"} <= set(labels)
-            assert page.evaluate("window.burstrl.charts.reward.plot.data[1][4]") == pytest.approx(0.5)
+        page.wait_for_function("() => window.burstrl.seriesLength('reward') === 5", timeout=15_000)
+        assert page.evaluate("window.burstrl.seriesLength('eval')") == 3
+        assert page.evaluate("window.burstrl.seriesLength('kl')") == 5
+        labels = page.evaluate("window.burstrl.charts.reward.plot.series.map(s => s.label)")
+        assert {"reward_mean", "reward_parts/correct", "reward_parts/format"} <= set(labels)
+        assert page.evaluate("window.burstrl.charts.reward.plot.data[1][4]") == pytest.approx(0.5)
 
-            # New points arrive through the `after` cursor, not a full reload.
-            record_point(r, job_id, "trainer", {"step": 6, "reward_mean": 0.6, "loss": 0.1, "kl_ref": 0.05})
-            page.wait_for_function("() => window.burstrl.seriesLength('reward') === 6", timeout=15_000)
+        # New points arrive through the `after` cursor, not a full reload.
+        record_point(r, job_id, "trainer", {"step": 6, "reward_mean": 0.6, "loss": 0.1, "kl_ref": 0.05})
+        page.wait_for_function("() => window.burstrl.seriesLength('reward') === 6", timeout=15_000)
 
-            # The token stays in this tab's sessionStorage, never in the URL.
-            assert page.evaluate("sessionStorage.getItem('burstrl.token')") == TOKEN
-            assert TOKEN not in page.url
-            page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
-            assert not errors, errors
-        finally:
-            browser.close()
+        # The token stays in this tab's sessionStorage, never in the URL.
+        assert page.evaluate("sessionStorage.getItem('burstrl.token')") == TOKEN
+        assert TOKEN not in page.url
+        page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
 
 
 def test_dashboard_json_lists_queues_and_adoption(stack, r):
@@ -172,49 +147,38 @@ def _seed_sessions(r, job_id: str) -> list[int]:
 
 def test_dashboard_draws_the_burst_timeline(stack, r, tmp_path):
     require_browser()
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     base, _ = stack
     job_id = _seed_job(base, r)
     epochs = _seed_sessions(r, job_id)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1600})
-            errors: list[str] = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(f"{base}/dashboard")
-            page.fill("#token", TOKEN)
-            page.click("#login button[type=submit]")
-            rows = page.locator("#bursts tbody tr[data-epoch]")
-            expect(rows).to_have_count(3, timeout=15_000)
-            first, second, now = (page.locator(f'#bursts tr[data-epoch="{e}"]') for e in epochs)
-            expect(first).to_have_attribute("data-status", "ended")
-            expect(first.locator("[data-steps]")).to_have_text("2")
-            expect(first.locator("[data-lag]")).to_have_text("0.50 / 1")
-            expect(second.locator("[data-lag]")).to_have_text("7.67 / 9")  # data many versions old
-            expect(second).to_contain_text("time budget")
-            expect(first.locator("[data-billable]")).to_have_text("290.0")  # start-up, 2 steps, checkpoint
-            expect(now).to_have_attribute("data-status", "training")
-            expect(now.locator("[data-steps]")).to_have_text("1")
-            # One bar per session on the time axis; the one in progress drawn as such.
-            bars = page.locator("#burst-timeline .burst")
-            expect(bars).to_have_count(3)
-            expect(page.locator(f'#burst-timeline .burst.training[data-epoch="{epochs[2]}"]')).to_have_count(1)
-            expect(page.locator("#burst-totals")).to_contain_text("3 sessions")
-            expect(page.locator("#burst-totals")).to_contain_text("6 steps")
-            lefts = [float(bars.nth(i).evaluate("b => parseFloat(b.style.left)")) for i in range(3)]
-            assert lefts == sorted(lefts) and lefts[0] == 0
+    with dashboard_page(base) as page:
+        rows = page.locator("#bursts tbody tr[data-epoch]")
+        expect(rows).to_have_count(3, timeout=15_000)
+        first, second, now = (page.locator(f'#bursts tr[data-epoch="{e}"]') for e in epochs)
+        expect(first).to_have_attribute("data-status", "ended")
+        expect(first.locator("[data-steps]")).to_have_text("2")
+        expect(first.locator("[data-lag]")).to_have_text("0.50 / 1")
+        expect(second.locator("[data-lag]")).to_have_text("7.67 / 9")  # data many versions old
+        expect(second).to_contain_text("time budget")
+        expect(first.locator("[data-billable]")).to_have_text("290.0")  # start-up, 2 steps, checkpoint
+        expect(now).to_have_attribute("data-status", "training")
+        expect(now.locator("[data-steps]")).to_have_text("1")
+        # One bar per session on the time axis; the one in progress drawn as such.
+        bars = page.locator("#burst-timeline .burst")
+        expect(bars).to_have_count(3)
+        expect(page.locator(f'#burst-timeline .burst.training[data-epoch="{epochs[2]}"]')).to_have_count(1)
+        expect(page.locator("#burst-totals")).to_contain_text("3 sessions")
+        expect(page.locator("#burst-totals")).to_contain_text("6 steps")
+        lefts = [float(bars.nth(i).evaluate("b => parseFloat(b.style.left)")) for i in range(3)]
+        assert lefts == sorted(lefts) and lefts[0] == 0
 
-            # The session ends: its end point arrives through the metrics cursor and the row follows.
-            from services.trainer.step_report import Session
+        # The session ends: its end point arrives through the metrics cursor and the row follows.
+        from services.trainer.step_report import Session
 
-            s = Session(process_start=time.time() - 1800 + 120, epoch=epochs[2], replica="h200-2", step=6)
-            s.trained({"groups": 4, "staleness_mean": 1.0, "staleness_hist": {"1": 4}})
-            record_point(r, job_id, "trainer_session", s.point("end", reason="the job completed"))
-            expect(now).to_have_attribute("data-status", "ended", timeout=15_000)
-            expect(now).to_contain_text("the job completed")
-            page.screenshot(path=str(tmp_path / "bursts.png"), full_page=True)
-            assert not errors, errors
-        finally:
-            browser.close()
+        s = Session(process_start=time.time() - 1800 + 120, epoch=epochs[2], replica="h200-2", step=6)
+        s.trained({"groups": 4, "staleness_mean": 1.0, "staleness_hist": {"1": 4}})
+        record_point(r, job_id, "trainer_session", s.point("end", reason="the job completed"))
+        expect(now).to_have_attribute("data-status", "ended", timeout=15_000)
+        expect(now).to_contain_text("the job completed")
+        page.screenshot(path=str(tmp_path / "bursts.png"), full_page=True)

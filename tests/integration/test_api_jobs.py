@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -17,10 +16,10 @@ from fastapi.testclient import TestClient
 from shared import keys
 from shared.lease import Lease
 from shared.metrics import record_eval, record_point
-from shared.schema import Heartbeat, encode_heartbeat
 from shared.store import open_store
 from tests.support.api import api_client
 from tests.support.api import served as serve
+from tests.support.heartbeats import fake_heartbeat
 
 TOKEN = "jobs-test-token-0123456789ab"
 
@@ -181,18 +180,7 @@ def test_sources_are_read_at_submission(client, tmp_path):
 
 # -- the rollout's context (item 17) ---------------------------------------------------------
 def _beat(r, replica: str, model: str, max_model_len: int) -> None:
-    beat = Heartbeat(
-        role="rollout",
-        replica=replica,
-        host="h",
-        port=1,
-        version="0",
-        ready=True,
-        at=time.time(),
-        rollout_model=model,
-        max_model_len=max_model_len,
-    )
-    r.set(keys.service("rollout", replica), encode_heartbeat(beat), ex=60)
+    fake_heartbeat(r, replica, rollout_model=model, max_model_len=max_model_len)
 
 
 def test_max_tokens_beyond_every_rollout_context_is_refused(client, r):

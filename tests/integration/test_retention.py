@@ -3,17 +3,15 @@ evaluated best, and nothing in use is ever deleted. Real Redis, real file:// sto
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import redis
 
 from services.trainer.retention import Retention, prune_versions, stored_versions, versions_to_delete
-from shared import keys
 from shared.metrics import record_eval
 from shared.policy import Manifest, fetch_version, publish_version
-from shared.schema import Heartbeat, encode_heartbeat
 from shared.store import FileStore
+from tests.support.heartbeats import fake_heartbeat
 
 JOB = "keep-1"
 
@@ -32,17 +30,7 @@ def test_pruning_the_store_spares_what_rollout_serves_and_checkpoints_name(tmp_p
         publish_version(store, Manifest(job_id=JOB, version=v, step=v, base_model="m", files={}), {"a": b"x" * v})
     record_eval(r, JOB, 7, {"pass@1": 0.9, "accuracy": 0.9})
     record_eval(r, JOB, 12, {"pass@1": 0.4, "accuracy": 0.4})
-    beat = Heartbeat(
-        role="rollout",
-        replica="r0",
-        host="h",
-        port=1,
-        version="0",
-        ready=True,
-        at=time.time(),
-        policy_versions={JOB: 22},
-    )
-    r.set(keys.service("rollout", "r0"), encode_heartbeat(beat))
+    fake_heartbeat(r, "r0", policy_versions={JOB: 22})
     gone = prune_versions(store, r, JOB, Retention(keep_last=4, keep_every=10), checkpoint_steps=[3])
     assert set(stored_versions(store, JOB)) == {3, 7, 10, 20, 22, 27, 28, 29, 30}
     assert set(gone).isdisjoint(stored_versions(store, JOB))

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from services.cli.launch import Launcher, free_port
 from tests.support.stack import service_env
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Page
 
 TOKEN = "dashboard-test-token-0123456789"
 CHROMIUM = os.environ.get("BURSTRL_CHROMIUM", "/usr/bin/chromium")
@@ -49,3 +54,31 @@ def stack(r, redis_server, tmp_path) -> Iterator[tuple[str, Launcher]]:
         yield f"http://127.0.0.1:{api_port}", launcher
     finally:
         launcher.stop_all()
+
+
+@contextmanager
+def dashboard_page(base: str, *, width: int = 1400, log_in: bool = True) -> Iterator[Page]:
+    """Headless Chromium on `base`'s dashboard (logged in with TOKEN unless `log_in` is False);
+    on a clean exit, asserts the page raised no JavaScript errors meanwhile."""
+    require_browser()
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        # Root in a container: Chromium's sandbox needs user namespaces we may not have.
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": width, "height": 1600})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(f"{base}/dashboard")
+            if log_in:
+                login(page)
+            yield page
+            assert not errors, errors
+        finally:
+            browser.close()
+
+
+def login(page: Page) -> None:
+    page.fill("#token", TOKEN)
+    page.click("#login button[type=submit]")
