@@ -12,7 +12,7 @@ from services.plan.bursts import BurstCycle, predict_bursts
 from services.plan.catalog import Card, Catalog
 from services.plan.memory import Method, TrainerKnobs, Workload, trainer_memory
 from services.plan.model_shape import ModelShape, resolve_shape
-from services.plan.placement import Plan, plan
+from services.plan.placement import LayoutOptions, Plan, plan
 from services.plan.pricing import BurstPattern, ModeCost
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "Card",
     "Catalog",
     "Method",
+    "LayoutOptions",
     "ModeCost",
     "ModelShape",
     "Plan",

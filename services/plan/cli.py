@@ -20,7 +20,7 @@ from rich.table import Table
 from services.plan.catalog import Catalog, parse_card_spec
 from services.plan.memory import WEIGHT_BYTES, Method, Workload
 from services.plan.model_shape import BUILTIN_SHAPES, resolve_shape
-from services.plan.placement import plan
+from services.plan.placement import LayoutOptions, plan
 from services.plan.pricing import HOURS_PER_WEEK, BurstPattern
 from services.plan.report import env_text, render, to_json
 from services.plan.roles import Efficiency
@@ -199,10 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         method,
         workload,
         cards,
-        placement=args.placement,
-        ref=not args.no_ref,
-        rollout_weights=args.rollout_weights,
-        eff=Efficiency(mfu=mfu),
+        LayoutOptions(
+            placement=args.placement, ref=not args.no_ref, rollout_weights=args.rollout_weights, eff=Efficiency(mfu=mfu)
+        ),
         objective=args.objective,
         pattern=pattern,
     )

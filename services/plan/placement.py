@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, computed_field
+from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from services.plan.catalog import Card
 from services.plan.memory import (
@@ -240,20 +240,25 @@ def _sides(p: Plan) -> Sides:
     )
 
 
+class LayoutOptions(BaseModel):
+    """What the layouts may be, beyond the model, method, workload and cards: `candidates` takes
+    them, and `plan` passes them on (one set of options, so the two cannot drift apart)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    placement: Literal["auto", "disaggregated", "colocated"] = "auto"
+    ref: bool = True  # a reference model runs (the KL term), somewhere
+    rollout_weights: str | None = None  # the weights rollout serves, as the CLI's --rollout-weights
+    eff: Efficiency = Field(default_factory=Efficiency)
+
+
 def candidates(
-    shape: ModelShape,
-    method: Method,
-    w: Workload,
-    cards: list[tuple[Card, int]],
-    *,
-    placement: Literal["auto", "disaggregated", "colocated"] = "auto",
-    ref: bool = True,
-    rollout_weights: str | None = None,
-    eff: Efficiency | None = None,
+    shape: ModelShape, method: Method, w: Workload, cards: list[tuple[Card, int]], opts: LayoutOptions | None = None
 ) -> list[Plan]:
     """Every layout over `cards` (unpriced): k cards of each type for the trainer, the rest
     for rollout (one plan per place for the ref), and k cards of each type colocated."""
-    eff = eff or Efficiency()
+    opts = opts or LayoutOptions()
+    placement, ref, rollout_weights, eff = opts.placement, opts.ref, opts.rollout_weights, opts.eff
     pool: dict[str, tuple[Card, int]] = {}
     for card, count in cards:
         pool[card.name] = (card, pool.get(card.name, (card, 0))[1] + count)
@@ -274,19 +279,14 @@ def plan(
     method: Method,
     w: Workload,
     cards: list[tuple[Card, int]],
+    opts: LayoutOptions | None = None,
     *,
-    placement: Literal["auto", "disaggregated", "colocated"] = "auto",
-    ref: bool = True,
-    rollout_weights: str | None = None,
-    eff: Efficiency | None = None,
     objective: Objective = "cost",
     pattern: BurstPattern | None = None,
 ) -> Plan:
-    """Every candidate layout over `cards`, priced; the best that fits, runners-up listed."""
+    """Every candidate layout over `cards` (within `opts`), priced; the best that fits, runners-up listed."""
     pattern = pattern or BurstPattern()
-    layouts = candidates(
-        shape, method, w, cards, placement=placement, ref=ref, rollout_weights=rollout_weights, eff=eff
-    )
+    layouts = candidates(shape, method, w, cards, opts)
     catalog = {card.name: card for card, _ in cards}
     for p in layouts:
         p.costs = price_layout(_sides(p), catalog, pattern, w) if p.fits else []

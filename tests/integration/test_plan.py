@@ -25,7 +25,7 @@ from services.plan.memory import (
     trainer_memory,
 )
 from services.plan.model_shape import find_cached_config, resolve_shape
-from services.plan.placement import plan
+from services.plan.placement import LayoutOptions, plan
 from tests.support.calibration import calibrate
 
 REPO = Path(__file__).resolve().parents[2]
@@ -160,8 +160,7 @@ def test_plan_places_roles_and_reports_what_does_not_fit() -> None:
         Method(),
         W,
         [(cat.get("h200"), 1), (cat.get("mi50-32"), 3)],
-        placement="disaggregated",
-        ref=False,
+        LayoutOptions(placement="disaggregated", ref=False),
     )
     assert dis.fits and dis.roles[0].card == "h200" and dis.step_time_s > 0
     big = plan(resolve_shape("Qwen2.5-7B"), Method(kind="full"), W, [(cat.get("rtx4070"), 1)])
