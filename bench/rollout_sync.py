@@ -44,12 +44,12 @@ from shared.policy import read_manifest  # noqa: E402
 from shared.schema import PromptMsg, encode  # noqa: E402
 from tests.support.rollout import (  # noqa: E402
     add_job,
-    bench_engine,
     bench_stack,
     lora_versions,
     make_worker,
     percentile,
     publish,
+    started_engine,
 )
 
 MODEL = ROOT / ".burstrl" / "models" / "tiny-sft"
@@ -57,7 +57,7 @@ MODEL = ROOT / ".burstrl" / "models" / "tiny-sft"
 
 def run_mode(mode: str, model: str, n_versions: int, interval: float, versions: list, workdir: Path) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
-    with bench_stack(workdir) as (r, redis_url, store), bench_engine(mode, model, workdir) as (engine, _):
+    with bench_stack(workdir) as (r, redis_url, store), started_engine(mode, model, workdir) as (engine, _):
         res = run_once(engine, model, r, redis_url, store, workdir, n_versions, interval, versions, eval_size=0)
     return {"mode": mode, **res}
 
@@ -68,7 +68,7 @@ def run_eval_mode(
     """Blocking and round-by-round evaluation, alternately on one engine (same run, same machine load)."""
     workdir.mkdir(parents=True, exist_ok=True)
     out = []
-    with bench_stack(workdir) as (r, redis_url, store), bench_engine(mode, model, workdir) as (engine, _):
+    with bench_stack(workdir) as (r, redis_url, store), started_engine(mode, model, workdir) as (engine, _):
         # "none": no evaluation at all, the floor (what a generation round costs an adoption).
         for i, (name, n, c) in enumerate((("none", 0, 8), ("blocking", size, size), ("rounds", size, chunk))):
             res = run_once(

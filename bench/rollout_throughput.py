@@ -32,7 +32,7 @@ from shared import keys  # noqa: E402
 from shared.bus import FIELD  # noqa: E402
 from shared.domain.tasks import get_task  # noqa: E402
 from shared.schema import PromptMsg, encode  # noqa: E402
-from tests.support.rollout import add_job, bench_engine, bench_stack, lora_versions, make_worker, publish  # noqa: E402
+from tests.support.rollout import add_job, bench_stack, lora_versions, make_worker, publish, started_engine  # noqa: E402
 
 MODEL = ROOT / ".burstrl" / "models" / "tiny-sft"
 
@@ -74,7 +74,7 @@ def service_round(worker, r, job_id: str, prompts: list[str], rnd: int) -> tuple
 def run_mode(mode: str, args: argparse.Namespace, version: tuple, workdir: Path) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     prompts = [it.prompt for it in get_task("arith").heldout_items(args.prompts)]
-    with bench_stack(workdir) as (r, redis_url, store), bench_engine(mode, args.model, workdir) as (engine, url):
+    with bench_stack(workdir) as (r, redis_url, store), started_engine(mode, args.model, workdir) as (engine, url):
         worker = make_worker(engine, args.model, redis_url, store, workdir, prompts_per_batch=args.batch)
         job = add_job(
             r,

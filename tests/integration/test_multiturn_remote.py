@@ -15,28 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.launch import free_port, terminate
 from services.rollout.engine import Engine, SamplingConfig
 from tests.support.episodes import assert_greedy_replays, multi_turn_sample, worst_gap_to_trainer
-from tests.support.rollout import start_vllm_server, wait_vllm_server
+from tests.support.rollout import started_engine
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def engine(calc_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    from services.rollout.engine import RemoteEngine
-
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
-    proc = start_vllm_server(str(calc_model), port, log)
-    try:
-        wait_vllm_server(f"http://127.0.0.1:{port}", proc, log)
-        eng = RemoteEngine(url=f"http://127.0.0.1:{port}", timeout_s=120)
+    with started_engine("remote", str(calc_model), tmp_path_factory.mktemp("vllm-server")) as (eng, _):
         yield eng
-        eng.close()
-    finally:
-        terminate(proc.pid, 20)
 
 
 def test_generate_ids_sends_and_receives_exact_ids(engine: Engine) -> None:

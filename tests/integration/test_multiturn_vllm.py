@@ -15,19 +15,15 @@ import pytest
 
 from services.rollout.engine import Engine
 from tests.support.episodes import assert_greedy_replays, multi_turn_sample, worst_gap_to_trainer
+from tests.support.rollout import started_engine
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def engine(calc_model: Path) -> Iterator[Engine]:
-    from services.rollout.engine import InProcessEngine
-
-    eng = InProcessEngine(
-        model=str(calc_model), max_model_len=256, max_lora_rank=16, max_loras=2, dtype="float32", seed=0
-    )
-    yield eng
-    eng.close()
+def engine(calc_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    with started_engine("inprocess", str(calc_model), tmp_path_factory.mktemp("engine"), max_loras=2) as (eng, _):
+        yield eng
 
 
 def test_episodes_are_token_exact_on_vllm(engine: Engine, calc_model: Path) -> None:

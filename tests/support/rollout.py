@@ -182,14 +182,17 @@ def wait_vllm_server(url: str, proc: subprocess.Popen, log: Path, timeout: float
 
 
 @contextlib.contextmanager
-def bench_engine(mode: str, model: str, workdir: Path) -> Iterator[tuple[Engine, str]]:
-    """A started engine of the given mode ("inprocess" | "remote") and, for remote, the server URL."""
+def started_engine(mode: str, model: str, workdir: Path, *, max_loras: int = 4) -> Iterator[tuple[Engine, str]]:
+    """A started engine of the given mode ("inprocess" | "remote": a vLLM server for it, its log
+    in workdir) and, for remote, the server URL; closed (the server stopped by pid) on exit."""
     from services.cli.launch import free_port, terminate
 
     if mode == "inprocess":
         from services.rollout.engine import InProcessEngine
 
-        eng = InProcessEngine(model=model, max_model_len=256, max_lora_rank=16, max_loras=4, dtype="float32", seed=0)
+        eng = InProcessEngine(
+            model=model, max_model_len=256, max_lora_rank=16, max_loras=max_loras, dtype="float32", seed=0
+        )
         try:
             yield eng, ""
         finally:
@@ -210,6 +213,52 @@ def bench_engine(mode: str, model: str, workdir: Path) -> Iterator[tuple[Engine,
             eng.close()
     finally:
         terminate(proc.pid, 20)
+
+
+@contextlib.contextmanager
+def rollout_service(workdir: Path, redis_url: str, model: str, **env: str) -> Iterator[tuple[subprocess.Popen, int]]:
+    """`python -m services.rollout` in dev mode on a free port (its log workdir/rollout.log), with
+    `env` (BURSTRL_ROLLOUT_* settings) on top; stopped by pid on exit."""
+    from services.cli.launch import free_port, terminate
+
+    port = free_port()
+    full = {
+        **os.environ,
+        "BURSTRL_DEV": "1",
+        "BURSTRL_PORT": str(port),
+        "REDIS_URL": redis_url,
+        "STORE_URL": f"file://{workdir / 'store'}",
+        "BURSTRL_DATA_DIR": str(workdir),
+        "BURSTRL_ROLLOUT_MODEL": model,
+        **env,
+    }
+    with open(workdir / "rollout.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.rollout"],
+            env=full,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield proc, port
+    finally:
+        terminate(proc.pid, 10)
+
+
+def engine_not_ready(port: int, reason: str, timeout: float, log: Path) -> dict:
+    """The rollout service's /readyz body once it answers 503 with `reason` in its engine check."""
+    deadline, body = time.time() + timeout, None
+    while time.time() < deadline:
+        try:
+            resp = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2)
+            body = resp.json()
+            if resp.status_code == 503 and reason in body["checks"]["engine"]["reason"]:
+                return body
+        except httpx.HTTPError:
+            pass  # not listening yet
+        time.sleep(0.3)
+    raise AssertionError(f"no not-ready with reason: {body}\n{log.read_text()[-2000:]}")
 
 
 @contextlib.contextmanager
