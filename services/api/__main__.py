@@ -47,9 +47,7 @@ def main() -> None:
         feeder.tick()
         feeder.wait(settings.feed_interval_s)  # wakes early when a job records progress
 
-    while not rt.stop.is_set():
-        rt.survive(tick)
-    rt.shutdown()
+    rt.run(tick)
 
 
 if __name__ == "__main__":

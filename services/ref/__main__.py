@@ -58,10 +58,7 @@ def main() -> None:
                 rt.health.set("engine", False, str(e))
         worker.tick()
 
-    while not rt.stop.is_set():
-        rt.survive(tick)
-    scorer.close()
-    rt.shutdown()
+    rt.run(tick, close=scorer.close)
 
 
 if __name__ == "__main__":

@@ -54,10 +54,7 @@ def main() -> None:
         entries = bus.read(streams, count=settings.batch, block_ms=1000)
         scored.inc(handle(bus, entries, scorer, count_tags))
 
-    while not rt.stop.is_set():
-        rt.survive(tick)
-    scorer.close()
-    rt.shutdown()
+    rt.run(tick, close=scorer.close)
 
 
 if __name__ == "__main__":
