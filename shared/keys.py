@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 
@@ -48,82 +49,55 @@ def active_jobs() -> str:
     return f"{PREFIX}:jobs:active"
 
 
-def prompts(job_id: str) -> str:
-    """Stream api -> rollout: one entry per prompt (one GRPO group)."""
-    return f"{PREFIX}:{job_id}:prompts"
+def _per_job(name: str, doc: str) -> Callable[[str], str]:
+    """The key function of the per-job key `{PREFIX}:{job_id}:{name}`, documented by `doc`.
+
+    Made here, not written out per key, because every per-job key must have this one shape:
+    job_of_stream and job_key_pattern (deleting a job's keys) parse and match it."""
+
+    def key(job_id: str) -> str:
+        return f"{PREFIX}:{job_id}:{name}"
+
+    key.__doc__ = doc
+    return key
 
 
-def rollouts(job_id: str) -> str:
-    """Stream rollout -> reward: G sampled completions per prompt."""
-    return f"{PREFIX}:{job_id}:rollouts"
-
-
-def scored(job_id: str) -> str:
-    """Stream reward -> ref: completions with rewards."""
-    return f"{PREFIX}:{job_id}:scored"
-
-
-def ready(job_id: str) -> str:
-    """Stream ref (or reward, when the ref stage is skipped) -> trainer."""
-    return f"{PREFIX}:{job_id}:ready"
-
-
-def dead_letter(job_id: str) -> str:
-    """Stream of entries no stage could handle, each with its reason."""
-    return f"{PREFIX}:{job_id}:dead"
-
-
-def policy_pointer(job_id: str) -> str:
-    """String: the newest published policy version of a job (an int)."""
-    return f"{PREFIX}:{job_id}:policy"
-
-
-def ledger(job_id: str) -> str:
-    """Hash of counters: fed, produced, scored, trained, dropped_*, dead, spilled, backlog_done."""
-    return f"{PREFIX}:{job_id}:ledger"
-
-
-def agent_groups(job_id: str) -> str:
-    """Hash group id -> outcome ("bus" or "dropped_<reason>") of every agent group that left
-    rollout (docs/agents.md): written in the same script that hands it on or counts it
-    dropped, only if absent, so each agent group enters the ledger once."""
-    return f"{PREFIX}:{job_id}:agent_groups"
-
-
-def metrics(job_id: str) -> str:
-    """Stream of MetricPoint entries (the job's durable time series)."""
-    return f"{PREFIX}:{job_id}:metrics"
-
-
-def evals(job_id: str) -> str:
-    """Hash policy version -> EvalResult JSON (held-out evaluation per version)."""
-    return f"{PREFIX}:{job_id}:evals"
+# The per-job keys (the stage streams, then the job's state), by the name code calls them.
+prompts = _per_job("prompts", "Stream api -> rollout: one entry per prompt (one GRPO group).")
+rollouts = _per_job("rollouts", "Stream rollout -> reward: G sampled completions per prompt.")
+scored = _per_job("scored", "Stream reward -> ref: completions with rewards.")
+ready = _per_job("ready", "Stream ref (or reward, when the ref stage is skipped) -> trainer.")
+dead_letter = _per_job("dead", "Stream of entries no stage could handle, each with its reason.")
+policy_pointer = _per_job("policy", "String: the newest published policy version of a job (an int).")
+ledger = _per_job("ledger", "Hash of counters: fed, produced, scored, trained, dropped_*, dead, spilled, backlog_done.")
+agent_groups = _per_job(
+    "agent_groups",
+    'Hash group id -> outcome ("bus" or "dropped_<reason>") of every agent group that left rollout '
+    "(docs/agents.md): written in the same script that hands it on or counts it dropped, only if absent, "
+    "so each agent group enters the ledger once.",
+)
+metrics = _per_job("metrics", "Stream of MetricPoint entries (the job's durable time series).")
+evals = _per_job("evals", "Hash policy version -> EvalResult JSON (held-out evaluation per version).")
+trainer_lease = _per_job(
+    "trainer-lease", 'Lease held by the one trainer process that trains a job: "{token} {epoch}" (shared/lease.py).'
+)
+trainer_epoch = _per_job(
+    "trainer-epoch", "Counter: the fencing epoch of the newest lease taken on a job (only ever grows)."
+)
+trainer_failures = _per_job(
+    "trainer-failures",
+    "Hash attempts/error/at: consecutive failed attempts to load or train a job (services/trainer/progress.py).",
+)
+backlog_index = _per_job(
+    "backlog",
+    "Hash segment id -> JSON {groups, remaining, bytes, v_min, v_max, t_min, t_max, status, created_at}: "
+    "the backlog's disk segments a trainer may take groups from (shared/backlog.py).",
+)
 
 
 def eval_claim(job_id: str, version: int) -> str:
     """Lock so only one rollout replica evaluates a given version."""
     return f"{PREFIX}:{job_id}:eval-claim:{version}"
-
-
-def trainer_lease(job_id: str) -> str:
-    """Lease held by the one trainer process that trains a job: "{token} {epoch}" (shared/lease.py)."""
-    return f"{PREFIX}:{job_id}:trainer-lease"
-
-
-def trainer_epoch(job_id: str) -> str:
-    """Counter: the fencing epoch of the newest lease taken on a job (only ever grows)."""
-    return f"{PREFIX}:{job_id}:trainer-epoch"
-
-
-def trainer_failures(job_id: str) -> str:
-    """Hash attempts/error/at: consecutive failed attempts to load or train a job (services/trainer/progress.py)."""
-    return f"{PREFIX}:{job_id}:trainer-failures"
-
-
-def backlog_index(job_id: str) -> str:
-    """Hash segment id -> JSON {groups, remaining, bytes, v_min, v_max, t_min, t_max, status, created_at}:
-    the backlog's disk segments a trainer may take groups from (shared/backlog.py)."""
-    return f"{PREFIX}:{job_id}:backlog"
 
 
 def backlog_done(job_id: str, segment: str) -> str:
