@@ -30,9 +30,10 @@ from services.trainer.policy import load_policy, load_policy_files, policy_files
 from services.trainer.quant import SaverUnavailable, check_base_bits, probe_nf4
 from services.trainer.settings import TrainerSettings
 from shared.job import JobSpec
-from shared.schema import Completion, GroupMsg, pack_f32, pack_i32, pack_u8
+from shared.schema import GroupMsg
 from shared.store import FileStore
 from tests.support import ROOT
+from tests.support.trainer_groups import random_groups
 
 REPO = ROOT
 DEVICES = [
@@ -50,34 +51,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model(tmp_path_factory.mktemp("tiny") / "m", hidden=64, layers=2, seed=0)
 
 
-def _groups(n: int = 2, g: int = 2, seed: int = 3) -> list[GroupMsg]:
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        comps = [
-            Completion(
-                token_ids=pack_i32(torch.randint(3, 200, (6,), generator=gen).tolist()),
-                logprobs=pack_f32((-torch.rand(6, generator=gen) * 3).tolist()),
-                loss_mask=pack_u8([1] * 6),
-                text="x",
-                finish_reason="stop",
-                reward=float(j),
-            )
-            for j in range(g)
-        ]
-        out.append(
-            GroupMsg(
-                job_id="j",
-                group_id=f"g{seed}-{i}",
-                item_id=str(i),
-                prompt="p",
-                prompt_ids=pack_i32([5, 6, 7]),
-                policy_version=0,
-                completions=comps,
-                stage="ready",
-            )
-        )
-    return out
+def _groups(seed: int = 3) -> list[GroupMsg]:
+    return random_groups(seed=seed, tokens=6, tag=f"{seed}-")
 
 
 def _spec(model_dir: Path, finetune: str = "full") -> JobSpec:

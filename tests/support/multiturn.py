@@ -8,6 +8,7 @@ import torch
 from services.trainer.learner import Learner
 from shared.job import JobSpec
 from shared.schema import Completion, GroupMsg, pack_f32, pack_i32, pack_u8
+from tests.support.trainer_groups import ready_group
 
 PROMPT = [5, 6, 7]
 # generated (1) | observation (0) | generated (1) | observation (0) | generated (1)
@@ -53,16 +54,7 @@ def episode(seed: int, reward: float, obs_lp: float = 0.0) -> Completion:
 
 def groups(obs_lp: float = 0.0) -> list[GroupMsg]:
     return [
-        GroupMsg(
-            job_id="j",
-            group_id=f"g{k}",
-            item_id=str(k),
-            prompt="",
-            prompt_ids=pack_i32(PROMPT),
-            policy_version=0,
-            completions=[episode(4 * k + i, float(i % 2) + 0.1 * k, obs_lp) for i in range(4)],
-            stage="ready",
-        )
+        ready_group(k, [episode(4 * k + i, float(i % 2) + 0.1 * k, obs_lp) for i in range(4)], PROMPT, prompt="")
         for k in range(2)
     ]
 

@@ -1,8 +1,9 @@
-"""Trainer cases shared by the data-parallel and loss tests: a small locally built model, random
-but valid groups, and groups whose sampler log-probs sit near the policy's own."""
+"""Trainer cases shared by the data-parallel, loss, mode and multi-turn tests: a small locally
+built model, random but valid groups, and groups whose sampler log-probs sit near the policy's own."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +57,45 @@ def make_groups(n: int, g: int, *, seed: int, job_id: str = "job-1", version: in
                 stage="ready",
             )
         )
+    return out
+
+
+def ready_group(
+    i: int, completions: list[Completion], prompt_ids: Sequence[int], *, prompt: str = "p", group_id: str = ""
+) -> GroupMsg:
+    """Group `i` of job "j" as the trainer reads it: ready, sampled at policy version 0; its id
+    `g{i}` unless `group_id` is given."""
+    return GroupMsg(
+        job_id="j",
+        group_id=group_id or f"g{i}",
+        item_id=str(i),
+        prompt=prompt,
+        prompt_ids=pack_i32(list(prompt_ids)),
+        policy_version=0,
+        completions=completions,
+        stage="ready",
+    )
+
+
+def random_groups(n: int = 2, g: int = 2, *, seed: int = 3, tokens: int = 4, tag: str = "") -> list[GroupMsg]:
+    """`n` ready groups of `g` completions on the prompt [5, 6, 7]: `tokens` random ids each, all
+    trained on, reward j for the j-th (torch's generator, so the draws are the same on every box).
+    Group ids `g{tag}{i}` (a tag keeps the groups of different seeds apart)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        comps = [
+            Completion(
+                token_ids=pack_i32(torch.randint(3, 200, (tokens,), generator=gen).tolist()),
+                logprobs=pack_f32((-torch.rand(tokens, generator=gen) * 3).tolist()),
+                loss_mask=pack_u8([1] * tokens),
+                text="x",
+                finish_reason="stop",
+                reward=float(j),
+            )
+            for j in range(g)
+        ]
+        out.append(ready_group(i, comps, [5, 6, 7], group_id=f"g{tag}{i}"))
     return out
 
 

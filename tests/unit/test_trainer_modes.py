@@ -13,7 +13,7 @@ from services.trainer.learner import Learner
 from services.trainer.policy import is_lora, load_policy, load_policy_files, policy_files
 from shared.job import JobSpec
 from shared.schema import Completion, GroupMsg, pack_f32, pack_i32, pack_u8, unpack_f32
-from tests.support.trainer_groups import near_policy
+from tests.support.trainer_groups import near_policy, random_groups, ready_group
 
 
 @pytest.fixture(scope="module")
@@ -21,38 +21,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from shared.ml.tiny_model import build_model
 
     return build_model(tmp_path_factory.mktemp("tiny") / "m", hidden=64, layers=2, seed=0)
-
-
-def _groups(n: int = 2, g: int = 2) -> list[GroupMsg]:
-    gen = torch.Generator().manual_seed(3)
-    out = []
-    for i in range(n):
-        comps = [
-            Completion(
-                token_ids=pack_i32(torch.randint(3, 200, (4,), generator=gen).tolist()),
-                logprobs=pack_f32((-torch.rand(4, generator=gen) * 3).tolist()),
-                loss_mask=pack_u8([1, 1, 1, 1]),
-                text="x",
-                finish_reason="stop",
-                reward=float(j),
-            )
-            for j in range(g)
-        ]
-        out.append(_group(i, comps, [5, 6, 7]))
-    return out
-
-
-def _group(i: int, comps: list[Completion], prompt_ids: list[int]) -> GroupMsg:
-    return GroupMsg(
-        job_id="j",
-        group_id=f"g{i}",
-        item_id=str(i),
-        prompt="p",
-        prompt_ids=pack_i32(prompt_ids),
-        policy_version=0,
-        completions=comps,
-        stage="ready",
-    )
 
 
 def _spec(model_dir: Path, **algorithm) -> JobSpec:  # noqa: ANN003
@@ -64,7 +32,7 @@ def test_full_finetune_trains_every_weight_and_roundtrips_its_files(model_dir):
     model, tok = load_policy(str(model_dir), rank=4, alpha=8, device="cpu", seed=0, finetune="full")
     assert not is_lora(model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    Learner(model, spec, pad_id=tok.pad_token_id, grad_clip=1.0).train_batch(_groups())
+    Learner(model, spec, pad_id=tok.pad_token_id, grad_clip=1.0).train_batch(random_groups())
     changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
     assert any("layers.0.mlp" in k for k in changed)  # the base weights move, not just an adapter
     files = policy_files(model, str(model_dir))
@@ -79,7 +47,7 @@ def test_gradient_checkpointing_gives_the_same_step(model_dir):
     out = []
     for gc in (False, True):
         model, tok = load_policy(str(model_dir), rank=4, alpha=8, device="cpu", seed=0, gradient_checkpointing=gc)
-        res = Learner(model, _spec(model_dir), pad_id=tok.pad_token_id, grad_clip=1.0).train_batch(_groups())
+        res = Learner(model, _spec(model_dir), pad_id=tok.pad_token_id, grad_clip=1.0).train_batch(random_groups())
         out.append((res.stats["loss"], res.grad_norm))
     assert out[0] == pytest.approx(out[1], rel=1e-5)
 
@@ -105,7 +73,7 @@ def test_gradient_checkpointing_gives_the_same_step(model_dir):
 def test_algorithm_variants_run_end_to_end(model_dir, algorithm):  # noqa: ANN001
     spec = JobSpec(base_model=str(model_dir), group_size=2, batch_size=2, steps=3, kl_coef=0.1, algorithm=algorithm)
     model, tok = load_policy(str(model_dir), rank=4, alpha=8, device="cpu", seed=0)
-    groups = _groups()
+    groups = random_groups()
     for g in groups:  # the ref stage's log-probs, for the KL term
         for c in g.completions:
             c.ref_logprobs = pack_f32([-1.0] * 4)
@@ -137,7 +105,7 @@ def _uneven_groups(n: int = 3, g: int = 4) -> list[GroupMsg]:
                     reward=float((i + j) % 3),
                 )
             )
-        out.append(_group(i, comps, [5, 6, 7][: 1 + i % 3]))
+        out.append(ready_group(i, comps, [5, 6, 7][: 1 + i % 3]))
     return out
 
 
@@ -242,7 +210,7 @@ def test_m2po_learns_from_a_stale_sampler_and_masks_only_its_outliers(model_dir)
     teach: the rewarded completions' log-prob rises against the others'."""
     gen = torch.Generator().manual_seed(5)
     groups = [
-        _group(
+        ready_group(
             i,
             [
                 Completion(

@@ -34,6 +34,7 @@ from shared.job import JobSpec
 from shared.schema import Completion, GroupMsg, decode, encode, pack_f32, pack_i32, unpack_i32
 from tests.support.multiturn import PROMPT, grads_and_stats
 from tests.support.multiturn import episode as multiturn_episode
+from tests.support.trainer_groups import ready_group
 
 KINDS = ["grpo", "dr_grpo", "rloo"]
 
@@ -177,16 +178,7 @@ def groups(step_rewards: bool = True) -> list[GroupMsg]:
         return [-0.5 * (i % 2), 0.25 * (i % 3 == 0), 0.0] if step_rewards else [0.0, 0.0, 0.0]
 
     return [
-        GroupMsg(
-            job_id="j",
-            group_id=f"g{k}",
-            item_id=str(k),
-            prompt="",
-            prompt_ids=pack_i32(PROMPT),
-            policy_version=0,
-            completions=[episode(4 * k + i, float(i % 2) + 0.1 * k, steps(i)) for i in range(4)],
-            stage="ready",
-        )
+        ready_group(k, [episode(4 * k + i, float(i % 2) + 0.1 * k, steps(i)) for i in range(4)], PROMPT, prompt="")
         for k in range(2)
     ]
 
