@@ -9,7 +9,6 @@ step trains one group, so rank 1 has no rows at all and must still join the gath
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -19,27 +18,18 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from services.cli.launch import free_port
-from shared.job import JobSpec
 from shared.schema import GroupMsg, decode, encode
-from tests.support.trainer_groups import GROUPS, G, make_groups, near_policy, tiny_model
+from tests.support.trainer_groups import GROUPS, G, dp_spec, join_gloo, make_groups, near_policy, rank_comm, tiny_model
 
 
 def _train(model_dir: Path, data: Path, out: Path, world: int, rank: int) -> None:
     from peft import get_peft_model_state_dict
 
-    from services.trainer.distributed import Comm
     from services.trainer.learner import Learner
     from services.trainer.policy import load_policy
 
-    torch.set_num_threads(1)
-    comm = Comm.from_env() if world > 1 else Comm()
-    spec = JobSpec(
-        base_model=str(model_dir),
-        group_size=G,
-        batch_size=GROUPS,
-        steps=2,
-        algorithm={"mismatch": "m2po", "minibatches": 2},  # 3 groups per mini-batch: ranks get 2 and 1
-    )
+    comm = rank_comm(world)
+    spec = dp_spec(model_dir, algorithm={"mismatch": "m2po", "minibatches": 2})  # 3 groups a mini-batch: 2 + 1
     model, tok = load_policy(str(model_dir), rank=8, alpha=16, device="cpu", seed=0)
     learner = Learner(model, spec, pad_id=tok.pad_token_id or 0, grad_clip=1.0, world=comm.world, rank=comm.rank)
     learner.opt = torch.optim.SGD(learner.params, lr=0.5)  # linear in the gradients (see test_trainer_ddp)
@@ -57,9 +47,7 @@ def _train(model_dir: Path, data: Path, out: Path, world: int, rank: int) -> Non
 
 
 def _worker(rank: int, world: int, port: int, model_dir: str, data: str, out: str) -> None:
-    os.environ.update(
-        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "RANK": str(rank)}
-    )
+    join_gloo(rank, world, port)
     _train(Path(model_dir), Path(data), Path(out), world, rank)
     torch.distributed.destroy_process_group()
 

@@ -8,7 +8,6 @@ make the uneven split and the PPO anchor part of the check.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -17,30 +16,20 @@ from safetensors.torch import load_file, save_file
 
 from services.cli.launch import free_port
 from shared.job import JobSpec
-from shared.schema import GroupMsg, decode, encode
-from tests.support.trainer_groups import GROUPS, G, make_groups, tiny_model
+from tests.support.trainer_groups import dp_spec, join_gloo, rank_comm, tiny_model, train_broadcast_steps
 
 
 def _spec(model: Path) -> JobSpec:
-    return JobSpec(
-        base_model=str(model),
-        group_size=G,
-        batch_size=GROUPS,
-        steps=2,
-        learning_rate=1e-2,
-        algorithm={"minibatches": 2, "ppo_epochs": 2, "entropy_coef": 0.01},
-    )
+    return dp_spec(model, learning_rate=1e-2, algorithm={"minibatches": 2, "ppo_epochs": 2, "entropy_coef": 0.01})
 
 
 def _train(model_dir: Path, out: Path, world: int, rank: int) -> None:
     from peft import get_peft_model_state_dict
 
-    from services.trainer.distributed import Comm
     from services.trainer.learner import Learner
     from services.trainer.policy import load_policy
 
-    torch.set_num_threads(1)
-    comm = Comm.from_env() if world > 1 else Comm()
+    comm = rank_comm(world)
     spec = _spec(model_dir)
     model, tok = load_policy(str(model_dir), rank=8, alpha=16, device="cpu", seed=0)
     learner = Learner(model, spec, pad_id=tok.pad_token_id or 0, grad_clip=1.0, world=comm.world, rank=comm.rank)
@@ -49,12 +38,7 @@ def _train(model_dir: Path, out: Path, world: int, rank: int) -> None:
     # uniform scale error; SGD weights are linear in the gradients, so the check is strict.
     learner.opt = torch.optim.SGD(learner.params, lr=0.5)
     learner.sched = torch.optim.lr_scheduler.LambdaLR(learner.opt, lambda _: 1.0)
-    stats = []
-    for step in range(2):
-        mine = make_groups(GROUPS, G, seed=step) if comm.is_main else None
-        data = comm.broadcast_bytes([encode(x) for x in mine] if mine else None)
-        res = learner.train_batch([decode(b, GroupMsg) for b in data])
-        stats.append([res.grad_norm, res.stats["loss"], res.stats["entropy"], res.stats["mismatch_kl"]])
+    stats = train_broadcast_steps(learner, comm)
     if comm.is_main:
         tensors = {k: v.contiguous() for k, v in get_peft_model_state_dict(model).items()}
         # Adam is blind to a uniform gradient scale, so the reported norms and losses are compared too.
@@ -63,9 +47,7 @@ def _train(model_dir: Path, out: Path, world: int, rank: int) -> None:
 
 
 def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
-    os.environ.update(
-        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "RANK": str(rank)}
-    )
+    join_gloo(rank, world, port)
     _train(Path(model_dir), Path(out), world, rank)
     torch.distributed.destroy_process_group()
 

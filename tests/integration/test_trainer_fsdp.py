@@ -33,9 +33,8 @@ from safetensors.torch import load, load_file, save_file
 from services.cli.launch import free_port
 from services.trainer.sharding import ShardingError, check_sharding
 from shared.job import JobSpec
-from shared.schema import GroupMsg, decode, encode
 from tests.support import ROOT
-from tests.support.trainer_groups import GROUPS, G, make_groups
+from tests.support.trainer_groups import GROUPS, G, dp_spec, join_gloo, make_groups, rank_comm, train_broadcast_steps
 
 RTOL, ATOL = 1e-4, 1e-5
 UPDATES = 8  # 2 steps x 2 PPO epochs x 2 mini-batches
@@ -58,21 +57,13 @@ class RecordingSGD(torch.optim.SGD):
 
 
 def _train(model_dir: Path, out: Path, finetune: str, world: int) -> None:
-    from services.trainer.distributed import Comm
     from services.trainer.learner import Learner
     from services.trainer.policy import load_policy
     from services.trainer.sharding import full_trainable_state, is_sharded, shard_model
 
-    torch.set_num_threads(1)
-    comm = Comm.from_env() if world > 1 else Comm()
-    spec = JobSpec(
-        base_model=str(model_dir),
-        group_size=G,
-        batch_size=GROUPS,
-        steps=2,
-        learning_rate=1e-2,
-        algorithm={"minibatches": 2, "ppo_epochs": 2, "entropy_coef": 0.01, "finetune": finetune},
-    )
+    comm = rank_comm(world)
+    algorithm = {"minibatches": 2, "ppo_epochs": 2, "entropy_coef": 0.01, "finetune": finetune}
+    spec = dp_spec(model_dir, learning_rate=1e-2, algorithm=algorithm)
     model, tok = load_policy(str(model_dir), rank=8, alpha=16, device="cpu", seed=0, finetune=finetune)
     if world > 1:
         model = shard_model(model, device="cpu", cpu_offload=False)
@@ -98,12 +89,7 @@ def _train(model_dir: Path, out: Path, finetune: str, world: int) -> None:
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     learner.opt = RecordingSGD(named, lr=0.5)
     learner.sched = torch.optim.lr_scheduler.LambdaLR(learner.opt, lambda _: 1.0)
-    stats = []
-    for step in range(2):
-        mine = make_groups(GROUPS, G, seed=step) if comm.is_main else None
-        data = comm.broadcast_bytes([encode(x) for x in mine] if mine else None)
-        res = learner.train_batch([decode(b, GroupMsg) for b in data])
-        stats.append([res.grad_norm, res.stats["loss"], res.stats["entropy"], res.stats["mismatch_kl"]])
+    stats = train_broadcast_steps(learner, comm)
     weights = full_trainable_state(model)  # a gather: every rank
     idle_total = comm.world > 1 and learner._all_sum([float(idle[0])])[0]
     if comm.is_main:
@@ -116,9 +102,7 @@ def _train(model_dir: Path, out: Path, finetune: str, world: int) -> None:
 
 
 def _worker(rank: int, world: int, port: int, model_dir: str, out: str, finetune: str) -> None:
-    os.environ.update(
-        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "RANK": str(rank)}
-    )
+    join_gloo(rank, world, port)
     _train(Path(model_dir), Path(out), finetune, world)
     torch.distributed.destroy_process_group()
 
@@ -199,7 +183,7 @@ def _full_worker(rank: int, port: int, root: str, model_dir: str) -> None:
         local_optimizer_tensors,
     )
 
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank)})
+    join_gloo(rank, 2, port)
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo")
     out = Path(root)

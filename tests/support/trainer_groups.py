@@ -3,14 +3,21 @@ built model, random but valid groups, and groups whose sampler log-probs sit nea
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from services.trainer.policy import load_policy
-from shared.schema import Completion, GroupMsg, pack_f32, pack_i32, pack_u8
+from shared.job import JobSpec
+from shared.schema import Completion, GroupMsg, decode, encode, pack_f32, pack_i32, pack_u8
+
+if TYPE_CHECKING:
+    from services.trainer.distributed import Comm
+    from services.trainer.learner import Learner
 
 GROUPS, G = 6, 4
 
@@ -118,3 +125,36 @@ def near_policy(groups: list[GroupMsg], model_dir: Path, *, noise: float, seed: 
         own = logp[i, b.offsets[i] : b.offsets[i] + b.lengths[i]]
         c.logprobs = pack_f32((own + noise * torch.randn(len(own), generator=gen)).tolist())
     return groups
+
+
+# -- data parallel: the DDP and FSDP tests' ranks -------------------------------------------------
+def dp_spec(model_dir: Path, **over: Any) -> JobSpec:
+    """The data-parallel tests' job: GROUPS groups of G a step, two steps; `over` on top."""
+    return JobSpec(base_model=str(model_dir), group_size=G, batch_size=GROUPS, steps=2, **over)
+
+
+def join_gloo(rank: int, world: int, port: int) -> None:
+    """Make this process rank `rank` of `world` on 127.0.0.1:`port`, as Comm.from_env reads it."""
+    os.environ.update(
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "RANK": str(rank)}
+    )
+
+
+def rank_comm(world: int) -> Comm:
+    """This rank's Comm (none to join for one process), on one CPU thread: the ranks share the cores."""
+    from services.trainer.distributed import Comm
+
+    torch.set_num_threads(1)
+    return Comm.from_env() if world > 1 else Comm()
+
+
+def train_broadcast_steps(learner: Learner, comm: Comm, steps: int = 2) -> list[list[float]]:
+    """`steps` steps on groups rank 0 makes (make_groups, seeded by the step) and broadcasts as
+    bytes; each rank trains its share. Per step: grad norm, loss, entropy, mismatch KL."""
+    stats = []
+    for step in range(steps):
+        mine = make_groups(GROUPS, G, seed=step) if comm.is_main else None
+        data = comm.broadcast_bytes([encode(x) for x in mine] if mine else None)
+        res = learner.train_batch([decode(b, GroupMsg) for b in data])
+        stats.append([res.grad_norm, res.stats["loss"], res.stats["entropy"], res.stats["mismatch_kl"]])
+    return stats
