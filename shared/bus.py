@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import msgspec
 import redis
@@ -80,6 +80,27 @@ def _s(x: bytes | str) -> str:
 
 
 M = TypeVar("M", bound=Message)
+
+
+class _Carrier(Protocol):
+    @property
+    def data(self) -> bytes: ...  # what was sent: a message's bytes
+
+
+C = TypeVar("C", bound=_Carrier)
+
+
+def decode_each(items: Iterable[C], expected: type[M], dead_letter: Callable[[C, str], None]) -> list[tuple[C, M]]:
+    """Each item (a stream entry, a backlog group) with its `data` decoded as `expected`; one that
+    does not decode is handed to `dead_letter` with the reason (docs/architecture.md, invariant 8)
+    and the rest carry on."""
+    out: list[tuple[C, M]] = []
+    for item in items:
+        try:
+            out.append((item, decode(item.data, expected)))
+        except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as err:
+            dead_letter(item, f"undecodable {expected.__name__}: {err}")
+    return out
 
 
 class Bus:
@@ -206,13 +227,7 @@ class Bus:
     def decode(self, entries: Iterable[Entry], expected: type[M]) -> list[tuple[Entry, M]]:
         """Decode each entry as `expected`; one that does not decode goes to the dead-letter
         stream with the reason (docs/architecture.md, invariant 8) and the rest carry on."""
-        out: list[tuple[Entry, M]] = []
-        for e in entries:
-            try:
-                out.append((e, decode(e.data, expected)))
-            except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as err:
-                self.dead_letter(e, f"undecodable {expected.__name__}: {err}")
-        return out
+        return decode_each(entries, expected, self.dead_letter)
 
     def redo_now(self) -> None:
         """Run the reclaim pass (own pending entries, dead consumers') on the next read,

@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from shared import __version__, keys
+from shared.bus import Bus
 from shared.dataset import DatasetGuard
 from shared.redis_conn import RedisPolicyError, check_server, connect, refusal
 from shared.schema import Heartbeat, encode_heartbeat
@@ -204,6 +205,18 @@ class ServiceRuntime:
         self.health.set("redis", True)
 
     # -- worker helpers ------------------------------------------------------------
+    def stage_bus(self, group: str) -> Bus:
+        """This replica as a consumer of `group` (its stage's consumer group), named by the replica id:
+        it takes over entries pending past claim_idle_s, and at once those of a replica of this role
+        whose heartbeat expired."""
+        return Bus(
+            self.redis,
+            group,
+            self.settings.replica,
+            heartbeat_role=self.role,
+            claim_idle_ms=int(self.settings.claim_idle_s * 1000),
+        )
+
     def run(self, tick: Callable[[], None], *, close: Callable[[], None] | None = None) -> None:
         """A service's main loop: `tick` under `survive` until stopped (SIGTERM), then `close`
         (what the worker holds: an engine, scoring processes) and `shutdown`."""

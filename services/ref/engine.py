@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Literal, Protocol
 
 from shared.engines.openai_client import OpenAIClient
-from shared.engines.vllm_setup import prepare_cpu_engine_env, warm_up
+from shared.engines.vllm_setup import engine_dead, prepare_cpu_engine_env, shut_down, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -222,15 +222,11 @@ class VllmScorer:
         return [_from_prompt_logprobs(o.prompt_logprobs or [], s, int) for o, s in zip(outs, seqs, strict=True)]
 
     def check(self) -> None:
-        resources = getattr(self.llm.llm_engine.engine_core, "resources", None)
-        if getattr(resources, "engine_dead", False):
+        if engine_dead(self.llm):
             raise ScorerUnavailable("vLLM engine core died; restart the ref service")
 
     def close(self) -> None:
-        try:
-            self.llm.llm_engine.engine_core.shutdown()
-        except Exception as e:
-            log.debug("engine shutdown: %s", e)
+        shut_down(self.llm)
 
 
 class RemoteScorer(OpenAIClient):

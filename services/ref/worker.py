@@ -26,7 +26,7 @@ from prometheus_client import Counter, Gauge
 from services.ref.engine import RefScorer, Rejected, ScorerUnavailable, Seq, validate
 from services.ref.settings import RefSettings
 from shared import keys
-from shared.bus import Bus, Entry
+from shared.bus import Entry
 from shared.job import JobSpec, UnreadableJob, load_job, same_model
 from shared.metrics import record_point
 from shared.schema import GroupMsg, encode, pack_f32, unpack_f32, unpack_i32, unpack_u8
@@ -97,13 +97,7 @@ class JobBatchStats:
 class RefWorker:
     def __init__(self, rt: ServiceRuntime, settings: RefSettings, scorer: RefScorer) -> None:
         self.rt, self.settings, self.scorer = rt, settings, scorer
-        self.bus = Bus(
-            rt.redis,
-            keys.GROUP_REF,
-            settings.replica,
-            heartbeat_role="ref",
-            claim_idle_ms=int(settings.claim_idle_s * 1000),
-        )
+        self.bus = rt.stage_bus(keys.GROUP_REF)
         self.jobs: dict[str, RefJobView] = {}
         self._unreadable: set[str] = set()  # jobs whose record could not be read
         self.held: list[Entry] = []  # a batch the engine could not score yet (retried first)

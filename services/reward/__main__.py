@@ -9,7 +9,6 @@ from services.reward.settings import RewardSettings
 from services.reward.tool_api import add_tool_routes
 from services.reward.worker import handle
 from shared import keys
-from shared.bus import Bus
 from shared.domain.sandbox import check_isolation
 from shared.domain.verifiers import verifier_names
 from shared.service import ServiceRuntime, active_job_ids, setup_logging
@@ -37,13 +36,7 @@ def main() -> None:
     if not ok:  # not a readiness failure: non-code jobs still score; code rewards score 0, tagged
         rt.health.set("sandbox-info", True, f"code rewards disabled: {why}")
     rt.health.set("verifiers", True, ", ".join(verifier_names()))
-    bus = Bus(
-        rt.redis,
-        keys.GROUP_REWARD,
-        settings.replica,
-        heartbeat_role="reward",
-        claim_idle_ms=int(settings.claim_idle_s * 1000),
-    )
+    bus = rt.stage_bus(keys.GROUP_REWARD)
 
     def count_tags(tags: dict[str, int]) -> None:
         for t, n in tags.items():

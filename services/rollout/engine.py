@@ -35,7 +35,7 @@ from typing import Any, Literal, Protocol
 
 from services.rollout.errors import AdapterError, EngineRequestRefused, EngineUnavailable, MissingLogprob, RequestFailed
 from shared.engines.openai_client import OpenAIClient
-from shared.engines.vllm_setup import prepare_cpu_engine_env, warm_up
+from shared.engines.vllm_setup import engine_dead, prepare_cpu_engine_env, shut_down, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -339,19 +339,12 @@ class InProcessEngine:
             raise EngineUnavailable(
                 f"vLLM engine could not be restarted on {self.model!r}; restart the rollout service"
             )
-        # The multiprocess client flags a dead engine-core process; there is no way back
-        # from that in-process but a restart of the service.
-        resources = getattr(self.llm.llm_engine.engine_core, "resources", None)
-        if getattr(resources, "engine_dead", False):
+        if engine_dead(self.llm):
             raise EngineUnavailable("vLLM engine core died; restart the rollout service")
 
     def close(self) -> None:
-        if self.llm is None:
-            return
-        try:
-            self.llm.llm_engine.engine_core.shutdown()
-        except Exception as e:
-            log.debug("engine shutdown: %s", e)
+        if self.llm is not None:
+            shut_down(self.llm)
 
 
 class RemoteEngine(OpenAIClient):

@@ -33,7 +33,6 @@ from services.rollout.reporting import Reporter
 from services.rollout.served import Leases, ServedJob
 from services.rollout.settings import RolloutSettings
 from shared import keys
-from shared.bus import Bus
 from shared.domain.envs import load_env_plugins
 from shared.job import JobRecord, UnreadableJob, load_job, same_model
 from shared.service import ServiceRuntime, active_job_ids
@@ -46,13 +45,7 @@ class RolloutWorker:
     def __init__(self, rt: ServiceRuntime, settings: RolloutSettings, engine: Engine, store: ObjectStore) -> None:
         load_env_plugins(settings.env_plugin_modules)  # fail at start, in the service, if one is missing
         self.rt, self.s, self.engine = rt, settings, engine
-        self.bus = Bus(
-            rt.redis,
-            keys.GROUP_ROLLOUT,
-            settings.replica,
-            heartbeat_role="rollout",
-            claim_idle_ms=int(settings.claim_idle_s * 1000),
-        )
+        self.bus = rt.stage_bus(keys.GROUP_ROLLOUT)
         self.jobs: dict[str, ServedJob] = {}
         self.cache = settings.data_dir / "adapters" / f"{settings.replica}-{uuid.uuid4().hex[:6]}"
         self.engine_ok = True

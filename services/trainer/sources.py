@@ -28,15 +28,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
-import msgspec
 import redis
 
 from shared import keys
 from shared.backlog import done_positions, expire_segments, mark_done, read_index
-from shared.bus import Bus, Entry
+from shared.bus import Bus, Entry, decode_each
 from shared.job import JobRecord
 from shared.lease import Fence
-from shared.schema import DeadLetter, GroupMsg, decode, encode_dead
+from shared.schema import DeadLetter, GroupMsg, encode_dead
 from shared.segments import SegmentInfo, SegmentRefused, delete_segment, read_segment, segment_prefix
 from shared.store import ObjectStore
 
@@ -189,13 +188,7 @@ class Sources:
     # -- decoding, acknowledging, refusing ---------------------------------------------
     def decode(self, refs: list[Ref]) -> list[tuple[Ref, GroupMsg]]:
         """Each reference's group; one that does not decode is dead-lettered with the reason."""
-        out: list[tuple[Ref, GroupMsg]] = []
-        for ref in refs:
-            try:
-                out.append((ref, decode(ref.data, GroupMsg)))
-            except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as err:
-                self.dead_letter(ref, f"undecodable GroupMsg: {err}")
-        return out
+        return decode_each(refs, GroupMsg, self.dead_letter)
 
     def ack(self, refs: list[Ref], counter: str | None) -> None:
         """Acknowledge, one `counter` count each (None: none, an extra copy of a counted group),

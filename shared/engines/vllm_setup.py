@@ -18,7 +18,10 @@ BURSTRL_VLLM_CPU_INLINE=0.
 
 from __future__ import annotations
 
+import logging
 import os
+
+log = logging.getLogger(__name__)
 
 CPU_KVCACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE unless the operator sets it; the CPU backend's default is 4
 
@@ -82,6 +85,22 @@ def warm_up(llm) -> None:  # noqa: ANN001 (vllm.LLM, imported lazily)
     llm.generate(["warm up", "warm up the engine"], sampled, use_tqdm=False)
     llm.generate(["warm up"], SamplingParams(n=1, max_tokens=2, temperature=1.0, logprobs=0), use_tqdm=False)
     llm.generate(["warm up"], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0), use_tqdm=False)
+
+
+def engine_dead(llm) -> bool:  # noqa: ANN001 (vllm.LLM, imported lazily)
+    """Whether the multiprocess client has flagged its engine-core process dead: there is no
+    way back from that in-process but a restart of the service."""
+    resources = getattr(llm.llm_engine.engine_core, "resources", None)
+    return bool(getattr(resources, "engine_dead", False))
+
+
+def shut_down(llm) -> None:  # noqa: ANN001 (vllm.LLM, imported lazily)
+    """Stop the engine core (its processes, when multiprocess). Only logged if that fails: the
+    service is closing, and a core already gone is what closing wants."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as e:  # noqa: BLE001
+        log.debug("engine shutdown: %s", e)
 
 
 # -- vLLM-cpu's LoRA kernels -----------------------------------------------------------------
