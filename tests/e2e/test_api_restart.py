@@ -20,13 +20,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.cli.launch import Launcher, alive, free_port
+from services.cli.launch import alive, free_port
 from shared import keys
 from shared.bus import FIELD
 from shared.domain.tasks import task_for_job
 from shared.job import JobSpec
 from shared.schema import PromptMsg, decode
-from tests.support.stack import service_env
+from tests.support.launched import service_launcher
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "restart-test-token-0123456789"
@@ -53,22 +53,15 @@ def home(tmp_path) -> Path:
 @pytest.fixture
 def api(r, redis_server, home):
     """Start/kill/restart the api as a real process under <home>/run, as `burstrl up` does."""
-    launcher = Launcher(home / "run")
     port = free_port()
-    env = service_env(
-        redis_server.url,
-        home,
-        TOKEN,
-        BURSTRL_API_FEED_INTERVAL_S="0.1",
-    )
+    with service_launcher(home, redis_server.url, TOKEN, BURSTRL_API_FEED_INTERVAL_S="0.1") as (launcher, env):
 
-    def start() -> int:
-        p = launcher.start_service("api", env, port=port)
-        launcher.wait_ready(["api"], timeout=60)
-        return p.pid
+        def start() -> int:
+            p = launcher.start_service("api", env, port=port)
+            launcher.wait_ready(["api"], timeout=60)
+            return p.pid
 
-    yield launcher, start, f"http://127.0.0.1:{port}"
-    launcher.stop_all()
+        yield launcher, start, f"http://127.0.0.1:{port}"
 
 
 def test_job_survives_api_kill_9_and_feeding_resumes(api, r):

@@ -9,17 +9,25 @@ step trains one group, so rank 1 has no rows at all and must still join the gath
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import msgspec
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from services.cli.launch import free_port
 from shared.schema import GroupMsg, decode, encode
-from tests.support.trainer_groups import GROUPS, G, dp_spec, join_gloo, make_groups, near_policy, rank_comm, tiny_model
+from tests.support.trainer_groups import (
+    GROUPS,
+    G,
+    dp_spec,
+    join_gloo,
+    make_groups,
+    near_policy,
+    rank_comm,
+    spawn_ranks,
+    tiny_model,
+)
 
 
 def _train(model_dir: Path, data: Path, out: Path, world: int, rank: int) -> None:
@@ -59,13 +67,8 @@ def test_m2po_over_two_gloo_processes_matches_one_process(tmp_path):
     data.write_bytes(msgspec.msgpack.encode([encode(g) for g in groups]))
     one, two = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
     _train(model_dir, data, one, 1, 0)
-    ctx = mp.spawn(_worker, args=(2, free_port(), str(model_dir), str(data), str(two)), nprocs=2, join=False)
-    deadline = time.monotonic() + 300  # ranks that disagree on a collective hang rather than fail
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise AssertionError("the two ranks did not finish: a collective that only one of them joined")
+    args = (2, free_port(), str(model_dir), str(data), str(two))
+    spawn_ranks(_worker, args, "the two ranks did not finish: a collective that only one of them joined")
     a, b = load_file(str(one)), load_file(str(two))
     sa, sb = a.pop("_stats"), b.pop("_stats")
     assert (0.0 < sa[:, 1]).all() and (sa[:, 1] < 1.0).all()  # M2PO masked some tokens, not all

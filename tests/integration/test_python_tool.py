@@ -16,13 +16,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.cli.launch import Launcher, free_port
+from services.cli.launch import free_port
 from shared.domain.envs import EnvError, make_env
 from shared.domain.envs import python_tool as pt
 from shared.domain.envs.python_tool import PythonEnv, ToolSettings
 from shared.domain.sandbox import Limits, check_isolation, run_program
 from shared.domain.tasks import get_task
-from tests.support.stack import service_env
+from tests.support.launched import service_launcher
 
 ok, why = check_isolation()
 pytestmark = pytest.mark.skipif(not ok, reason=f"sandbox unavailable here: {why}")
@@ -67,22 +67,16 @@ def test_run_program_limits() -> None:
 def reward_url(redis_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:  # noqa: ANN001
     """The reward service, started the way `burstrl up` starts it, with a real token."""
     home: Path = tmp_path_factory.mktemp("reward")
-    launcher = Launcher(home / "run")
-    port = free_port()
-    env = service_env(
-        redis_server.url,
-        home,
-        TOKEN,
-        BURSTRL_REWARD_WORKERS="0",  # no scoring processes: this test only calls the tool
-        BURSTRL_REWARD_TOOL_MAX_TIMEOUT_S="5",
-        BURSTRL_REWARD_TOOL_CONCURRENCY="1",  # so the concurrency test sees runs queue
-    )
-    launcher.start_service("reward", env, port=port)
-    try:
+    settings = {
+        "BURSTRL_REWARD_WORKERS": "0",  # no scoring processes: this test only calls the tool
+        "BURSTRL_REWARD_TOOL_MAX_TIMEOUT_S": "5",
+        "BURSTRL_REWARD_TOOL_CONCURRENCY": "1",  # so the concurrency test sees runs queue
+    }
+    with service_launcher(home, redis_server.url, TOKEN, **settings) as (launcher, env):
+        port = free_port()
+        launcher.start_service("reward", env, port=port)
         launcher.wait_ready(["reward"], timeout=60)
         yield f"http://127.0.0.1:{port}"
-    finally:
-        launcher.stop_all()
 
 
 @pytest.mark.slow

@@ -11,12 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from services.cli.launch import free_port
 from shared.job import JobSpec
-from tests.support.trainer_groups import dp_spec, join_gloo, rank_comm, tiny_model, train_broadcast_steps
+from tests.support.trainer_groups import dp_spec, join_gloo, rank_comm, spawn_ranks, tiny_model, train_broadcast_steps
 
 
 def _spec(model: Path) -> JobSpec:
@@ -56,7 +55,9 @@ def test_two_gloo_processes_match_one_process(tmp_path):
     model_dir = tiny_model(tmp_path)
     one, two = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
     _train(model_dir, one, 1, 0)
-    mp.spawn(_worker, args=(2, free_port(), str(model_dir), str(two)), nprocs=2, join=True)
+    spawn_ranks(
+        _worker, (2, free_port(), str(model_dir), str(two)), "the two ranks hung (a collective one rank did not join)"
+    )
     a, b = load_file(str(one)), load_file(str(two))
     assert a.keys() == b.keys() and len(a) > 1
     assert torch.allclose(a.pop("_stats"), b.pop("_stats"), rtol=1e-4, atol=1e-6)

@@ -22,19 +22,26 @@ split or a missing idle pass a difference of the gradients' own size (1e-2 and u
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load, load_file, save_file
 
 from services.cli.launch import free_port
 from services.trainer.sharding import ShardingError, check_sharding
 from shared.job import JobSpec
 from tests.support import ROOT
-from tests.support.trainer_groups import GROUPS, G, dp_spec, join_gloo, make_groups, rank_comm, train_broadcast_steps
+from tests.support.trainer_groups import (
+    GROUPS,
+    G,
+    dp_spec,
+    join_gloo,
+    make_groups,
+    rank_comm,
+    spawn_ranks,
+    train_broadcast_steps,
+)
 
 RTOL, ATOL = 1e-4, 1e-5
 UPDATES = 8  # 2 steps x 2 PPO epochs x 2 mini-batches
@@ -108,13 +115,8 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str, finetune
 
 
 def _spawn(model_dir: Path, out: Path, finetune: str) -> None:
-    ctx = mp.spawn(_worker, args=(2, free_port(), str(model_dir), str(out), finetune), nprocs=2, join=False)
-    deadline = time.monotonic() + 300  # ranks that disagree on a collective hang rather than fail
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise AssertionError("the FSDP ranks hung (a collective one rank did not join)")
+    args = (2, free_port(), str(model_dir), str(out), finetune)
+    spawn_ranks(_worker, args, "the FSDP ranks hung (a collective one rank did not join)")
 
 
 @pytest.mark.slow
@@ -226,13 +228,7 @@ def test_full_finetune_checkpoints_move_between_one_and_two_ranks(tmp_path, tiny
     learner.train_batch(make_groups(GROUPS, G, seed=1))
     w1 = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
-    ctx = mp.spawn(_full_worker, args=(free_port(), str(tmp_path), str(tiny_model)), nprocs=2, join=False)
-    deadline = time.monotonic() + 300
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise AssertionError("the FSDP ranks hung")
+    spawn_ranks(_full_worker, (free_port(), str(tmp_path), str(tiny_model)), "the FSDP ranks hung")
 
     # 1 -> 2 -> gathered: exactly what one process wrote (no arithmetic on the way).
     f1, o1, g1 = _read_ckpt(tmp_path / "one")

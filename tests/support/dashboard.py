@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from services.cli.launch import Launcher, free_port
-from tests.support.stack import service_env
+from tests.support.launched import service_launcher
 
 if TYPE_CHECKING:
     from playwright.sync_api import Page
@@ -39,21 +39,12 @@ def require_browser() -> None:
 @pytest.fixture
 def stack(r, redis_server, tmp_path) -> Iterator[tuple[str, Launcher]]:
     """The api and reward services as real processes on free ports, stopped by pid."""
-    launcher = Launcher(tmp_path / "run")
-    env = service_env(
-        redis_server.url,
-        tmp_path,
-        TOKEN,
-        BURSTRL_HEARTBEAT_S="0.5",
-    )
-    api_port = free_port()
-    launcher.start_service("api", env, port=api_port)
-    launcher.start_service("reward", env, port=free_port())
-    try:
+    with service_launcher(tmp_path, redis_server.url, TOKEN, BURSTRL_HEARTBEAT_S="0.5") as (launcher, env):
+        api_port = free_port()
+        launcher.start_service("api", env, port=api_port)
+        launcher.start_service("reward", env, port=free_port())
         launcher.wait_ready(["api", "reward"], timeout=60)
         yield f"http://127.0.0.1:{api_port}", launcher
-    finally:
-        launcher.stop_all()
 
 
 @contextmanager

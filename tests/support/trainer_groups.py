@@ -4,7 +4,8 @@ built model, random but valid groups, and groups whose sampler log-probs sit nea
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -138,6 +139,20 @@ def join_gloo(rank: int, world: int, port: int) -> None:
     os.environ.update(
         {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "RANK": str(rank)}
     )
+
+
+def spawn_ranks(worker: Callable[..., None], args: tuple[Any, ...], hung: str, *, nprocs: int = 2) -> None:
+    """`worker(rank, *args)` on `nprocs` spawned ranks, waited for. Ranks that disagree on a
+    collective hang rather than fail: after 300 s they are killed and the test fails, saying `hung`."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.spawn(worker, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + 300
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise AssertionError(hung)
 
 
 def rank_comm(world: int) -> Comm:
