@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.output import emit  # noqa: E402
 from services.cli.launch import free_port, port_open  # noqa: E402
 from shared import keys  # noqa: E402
 from shared.bus import FIELD, Bus  # noqa: E402
@@ -166,11 +166,7 @@ def main() -> None:
             "per-round spread is other load.",
             "",
         ]
-        text = "\n".join(lines)
-        print(text)
-        if a.out:
-            a.out.parent.mkdir(parents=True, exist_ok=True)
-            a.out.write_text(text)
+        emit("\n".join(lines), a.out)
     finally:
         srv.kill()
         srv.wait()

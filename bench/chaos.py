@@ -49,7 +49,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
+from bench.output import emit  # noqa: E402
 from bench.pipeline import DEMO_SHAPE, MODEL, Stack, run_job, submit  # noqa: E402
 from services.cli.launch import terminate  # noqa: E402
 from shared import keys  # noqa: E402
@@ -416,12 +416,7 @@ def main() -> None:
     a = ap.parse_args()
     cmd = " ".join([".venv/bin/python bench/chaos.py", *sys.argv[1:]])
     res = run_chaos(a.steps, a.kills, a.outage_s, a.seed, not a.no_baseline, **({"model": a.model} if a.model else {}))
-    text = report(res, cmd)
-    print(text)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text)
-        a.out.with_suffix(".json").write_text(json.dumps(res, indent=1, default=str))
+    emit(report(res, cmd), a.out, res)
     sys.exit(0 if res["ok"] else 1)
 
 

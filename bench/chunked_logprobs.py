@@ -32,7 +32,6 @@ import argparse
 import json
 import re
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,8 +42,8 @@ from pydantic import BaseModel
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-from bench.plan_calibration import allocations  # noqa: E402
+from bench.output import emit  # noqa: E402
+from bench.plan_calibration import allocations, run_fresh  # noqa: E402
 from services.plan.memory import Method, TrainerKnobs, Workload, ref_memory, trainer_memory  # noqa: E402
 from services.plan.model_shape import ModelShape, shape_from_config  # noqa: E402
 
@@ -177,15 +176,10 @@ def _unchunked_run(self, seqs, rows, out) -> None:  # noqa: ANN001
     """HFScorer._run before chunked log-probs."""
     import torch
 
+    from services.ref.engine import right_padded
     from shared.ml.logprobs import token_logprobs
 
-    length = max(len(seqs[i][0]) + len(seqs[i][1]) for i in rows)
-    ids = torch.zeros((len(rows), length), dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    for r, i in enumerate(rows):
-        p, c = seqs[i]
-        ids[r, : len(p) + len(c)] = torch.tensor(p + c)
-        attn[r, : len(p) + len(c)] = 1
+    ids, attn = right_padded(seqs, rows)  # the padding HFScorer._run still does
     with torch.no_grad():
         logits = self.net(input_ids=ids, attention_mask=attn).logits[:, :-1]
         lp = token_logprobs(logits, ids[:, 1:]).float().cpu()
@@ -279,17 +273,7 @@ def measure(case: Case) -> dict[str, float]:
 
 def run_case(case: Case, timeout: float) -> dict[str, float]:
     """Measure `case` in a fresh interpreter, so nothing from other cases is alive or cached."""
-    out = subprocess.run(
-        [sys.executable, __file__, "--case", case.model_dump_json()],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        cwd=ROOT,
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"case {case.model_dump()} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_fresh(__file__, case, timeout)
 
 
 def save_ref_model(layers: int, folder: Path) -> None:
@@ -455,10 +439,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{label(case)} / {side(case)}: {json.dumps(r)} ({time.time() - t0:.0f}s)", file=sys.stderr)
                 rows.append((case, r))
     bench, cal, summary = report(rows, command)
-    print(bench)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(bench)
+    emit(bench, a.out)
     if a.json:
         a.json.write_text(json.dumps(summary, indent=1) + "\n")
     write_calibration(cal, a.calibration)

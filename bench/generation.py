@@ -30,6 +30,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.output import emit  # noqa: E402
 
 MODEL = ROOT / ".burstrl" / "models" / "tiny-sft"
 PROMPTS = [f"{a}+{b}=" for a, b in [(3, 4), (12, 9), (7, 21), (25, 3), (18, 18), (0, 29), (11, 14), (6, 6)]]
@@ -161,11 +162,7 @@ def main() -> None:
                 rates[side].setdefault(n, []).extend(xs)
             print(f"round {rnd + 1}/{a.rounds}: {side} done", flush=True)
     text = report(rates, " ".join([".venv/bin/python bench/generation.py", *sys.argv[1:]]), a.rounds)
-    print(text)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text)
-        a.out.with_suffix(".json").write_text(json.dumps(rates, indent=1))
+    emit(text, a.out, rates)
 
 
 if __name__ == "__main__":

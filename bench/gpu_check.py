@@ -34,6 +34,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from bench.output import emit  # noqa: E402
 
 # Qwen2.5-0.5B's config.json (the shapes only; the weights are random).
 QWEN05B = {
@@ -367,11 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(res)
     command = "bash bench/gpu_check.sh" if not args.dry_run else "python bench/gpu_check.py --dry-run"
     section = table(results, device, command)
-    print(section)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(section)
-        args.out.with_suffix(".json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+    emit(section, args.out, [asdict(r) for r in results])
     if args.doc:
         put_section(args.doc, section)
     print(f"done in {time.time() - start:.0f}s", file=sys.stderr)

@@ -39,7 +39,6 @@ is one harness that chaos, scaling, staleness and backlog all drive.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -53,7 +52,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
+from bench.output import emit  # noqa: E402
 from services.cli.demo import DEMO_JOB  # noqa: E402
 from services.cli.launch import Launcher, free_port, tail  # noqa: E402
 from services.cli.stack import stack_env  # noqa: E402
@@ -537,24 +536,16 @@ def main() -> None:
         if "=" not in a.ab:
             ap.error("--ab takes KEY=VALUE, e.g. BURSTRL_VLLM_CPU_INLINE=0")
         text = f"`{cmd}`\n\n" + ab(layouts[0], a.steps, a.rounds, a.model, a.ab)
-        print(text)
-        if a.out:
-            a.out.parent.mkdir(parents=True, exist_ok=True)
-            a.out.write_text(text)
+        emit(text, a.out)
         return
     stal = tuple(int(x) for x in a.staleness.split(","))
     res: dict[str, dict[str, Any]] = {}
     for name in layouts:
         res |= measure(name, a.steps, a.rounds, a.model, stalenesses=stal)
     text = report(cmd, a.steps, a.rounds, res)
-    print(text)
+    head = next(iter(res.values()), {})
+    emit(text, a.out, {"layouts": res, "ratio": head.get("ratio"), "bus_frac": head.get("bus_frac")})
     if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text)
-        head = next(iter(res.values()))
-        a.out.with_suffix(".json").write_text(
-            json.dumps({"layouts": res, "ratio": head["ratio"], "bus_frac": head["bus_frac"]}, indent=1)
-        )
         plot(res, a.out.with_suffix(".png"))
 
 

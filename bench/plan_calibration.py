@@ -214,14 +214,22 @@ def allocations(prof) -> list:  # type: ignore[no-untyped-def]
 
 def run_case(case: Case, timeout: float = 600) -> dict[str, float]:
     """Measure `case` in a fresh interpreter so nothing from other cases is alive or cached."""
+    return run_fresh(__file__, case, timeout)
+
+
+def run_fresh(script: str, case: BaseModel, timeout: float) -> dict[str, float]:
+    """`python script --case <case as JSON>` in a fresh interpreter; the JSON object its last
+    stdout line prints. A failed case raises, with the end of its stderr."""
     out = subprocess.run(
-        [sys.executable, __file__, "--case", case.model_dump_json()],
+        [sys.executable, script, "--case", case.model_dump_json()],
         capture_output=True,
         text=True,
         timeout=timeout,
-        check=True,
+        check=False,
         cwd=REPO,
     )
+    if out.returncode != 0:
+        raise RuntimeError(f"case {case.model_dump()} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

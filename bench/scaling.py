@@ -15,7 +15,6 @@ replicas share the work correctly, and what it costs or gains, not the absolute 
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import statistics
 import sys
@@ -26,7 +25,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
+from bench.output import emit  # noqa: E402
 from bench.pipeline import DEMO_SHAPE, MODEL, Stack, run_job, stages_alone  # noqa: E402
 
 
@@ -89,12 +88,7 @@ def main() -> None:
         f"Groups made per replica in the two-replica end-to-end jobs: {share}.",
         "",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text)
-        a.out.with_suffix(".json").write_text(json.dumps({"results": res, "share": share}, indent=1))
+    emit("\n".join(lines), a.out, {"results": res, "share": share})
 
 
 if __name__ == "__main__":

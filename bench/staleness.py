@@ -21,7 +21,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
+from bench.output import emit  # noqa: E402
 from bench.pipeline import DEMO_SHAPE, MODEL, Stack, run_job  # noqa: E402
 from bench.plots import accuracy_curves  # noqa: E402
 
@@ -84,12 +84,8 @@ def main() -> None:
             f"{statistics.median(r['idle_frac'] for r in rs):.2f} |"
         )
     lines.append("")
-    text = "\n".join(lines)
-    print(text)
+    emit("\n".join(lines), a.out, runs)
     if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text)
-        a.out.with_suffix(".json").write_text(json.dumps(runs, indent=1))
         plot(runs, a.out.with_suffix(".png"))
 
 

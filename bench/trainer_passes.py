@@ -21,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
+from bench.output import emit  # noqa: E402
 from bench.trl_compare import BATCH, WORKLOADS, G, ensure_model  # noqa: E402
 
 
@@ -126,11 +126,7 @@ def main() -> None:
     for b in budgets:
         m = statistics.median(times[b])
         lines.append(f"| {b or '0 (one pass)'} | {m:.3f} | **{base / m:.2f}x** |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text)
+    emit("\n".join(lines) + "\n", a.out)
 
 
 if __name__ == "__main__":

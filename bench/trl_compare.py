@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
+from bench.output import emit  # noqa: E402
 from bench.plots import accuracy_curves  # noqa: E402
 
 MODELS = ROOT / ".burstrl" / "models"
@@ -511,12 +511,8 @@ def main() -> None:
                     results.append({**res, "round": rnd})
                     trl_modes = [mode]  # later rounds go straight to the mode that ran
                     break
-    text = report(results, a.threshold, cmd, notes, a.task, a.lr)
-    print(text)
+    emit(report(results, a.threshold, cmd, notes, a.task, a.lr), a.out, results)
     if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text)
-        a.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
         plot(results, a.threshold, a.out.with_suffix(".png"), a.task)
 
 

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from shared.engines.openai_client import OpenAIClient
 from shared.engines.vllm_setup import engine_dead, prepare_cpu_engine_env, shut_down, warm_up
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +79,21 @@ def validate(seq: Seq, max_len: int, vocab_size: int) -> None:
         bad = [t for t in (*prompt, *completion) if t < 0 or t >= vocab_size]
         if bad:
             raise Rejected("input", f"token id {bad[0]} is outside the reference's vocabulary of {vocab_size}")
+
+
+def right_padded(seqs: list[Seq], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rows` of `seqs` as one right-padded batch: prompt + completion ids (0 after the end) and
+    the attention mask (1 up to each row's end)."""
+    import torch
+
+    length = max(len(seqs[i][0]) + len(seqs[i][1]) for i in rows)
+    ids = torch.zeros((len(rows), length), dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for r, i in enumerate(rows):
+        p, c = seqs[i]
+        ids[r, : len(p) + len(c)] = torch.tensor(p + c)
+        attn[r, : len(p) + len(c)] = 1
+    return ids, attn
 
 
 class HFScorer:
@@ -140,13 +158,7 @@ class HFScorer:
 
         from shared.ml.chunked_logprobs import chunked_token_logprobs, head_params, model_hidden
 
-        length = max(len(seqs[i][0]) + len(seqs[i][1]) for i in rows)
-        ids = torch.zeros((len(rows), length), dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for r, i in enumerate(rows):
-            p, c = seqs[i]
-            ids[r, : len(p) + len(c)] = torch.tensor(p + c)
-            attn[r, : len(p) + len(c)] = 1
+        ids, attn = right_padded(seqs, rows)
         # Only completion tokens are scored: position j predicts token j + 1, so row r's
         # completion is predicted by positions len(p)-1 .. len(p)+len(c)-2.
         row_idx = torch.cat([torch.full((len(seqs[i][1]),), r) for r, i in enumerate(rows)])
