@@ -55,14 +55,18 @@ return flags
 # A batch acknowledged with the same counters (the trainer's step, a drop). KEYS: stream,
 # ledger. ARGV: group, n_names, names..., entry ids... Each counter rises by how many
 # entries XACK removed from the pending list right now.
-ACK_LUA = """
-local nnames = tonumber(ARGV[2])
-local acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 3 + nnames))
-if acked > 0 then
-  for j = 1, nnames do redis.call('HINCRBY', KEYS[2], ARGV[2 + j], acked) end
+# The body both scripts share, as a Lua function of where its keys and arguments start.
+_ACK_COUNTED = """
+local function ack_counted(stream, ledger, group, at)  -- ARGV[at]: n_names, then names..., ids...
+  local nnames = tonumber(ARGV[at])
+  local acked = redis.call('XACK', stream, group, unpack(ARGV, at + 1 + nnames))
+  if acked > 0 then
+    for j = 1, nnames do redis.call('HINCRBY', ledger, ARGV[at + j], acked) end
+  end
+  return acked
 end
-return acked
 """
+ACK_LUA = _ACK_COUNTED + "return ack_counted(KEYS[1], KEYS[2], ARGV[1], 2)\n"
 
 
 # KEYS: ready stream, ledger, backlog index. ARGV: group, consumer, segment id, index entry JSON,
@@ -88,17 +92,7 @@ return n
 
 # ACK_LUA behind the lease guard (shared/lease.py): KEYS lease, stream, ledger; ARGV the lease
 # value, then ACK_LUA's ARGV. Returns -1, acknowledging nothing, when the caller lost the lease.
-FENCED_ACK_LUA = (
-    FENCE_CHECK
-    + """
-local nnames = tonumber(ARGV[3])
-local acked = redis.call('XACK', KEYS[2], ARGV[2], unpack(ARGV, 4 + nnames))
-if acked > 0 then
-  for j = 1, nnames do redis.call('HINCRBY', KEYS[3], ARGV[3 + j], acked) end
-end
-return acked
-"""
-)
+FENCED_ACK_LUA = FENCE_CHECK + _ACK_COUNTED + "return ack_counted(KEYS[2], KEYS[3], ARGV[2], 3)\n"
 
 
 # KEYS: the stream. Computes, atomically, the lowest id any group still needs — per
