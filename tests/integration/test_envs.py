@@ -29,6 +29,7 @@ from shared.metrics import read_points
 from shared.schema import GroupMsg, PromptMsg, decode, encode, unpack_f32, unpack_i32, unpack_u8
 from shared.service import ServiceRuntime
 from shared.store import FileStore
+from tests.support.plugins import plugin_module
 from tests.support.rollout import add_job
 
 
@@ -91,14 +92,14 @@ def test_registry_and_plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         make_env("nope")
     with pytest.raises(EnvError, match="rejected its args"):
         make_env("calc", {"bogus": 1})
-    (tmp_path / "my_env_plugin.py").write_text(
+    echo = (
         "from shared.domain.envs import StepResult, register_env\n"
         "class Echo:\n    name = 'echo'\n    stop = ()\n"
         "    def reset(self, prompt, fields): return prompt\n"
         "    def step(self, text): return StepResult(done=True, answer=text)\n"
         "register_env('echo-plugin', Echo)\n"
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
+    plugin_module(tmp_path, monkeypatch, "my_env_plugin", echo)
     assert load_env_plugins(["my_env_plugin", " "]) == ["my_env_plugin"]
     assert "echo-plugin" in env_names()
     sys.modules.pop("my_env_plugin", None)

@@ -30,6 +30,7 @@ from shared.metrics import read_ledger, read_points
 from shared.schema import GroupMsg, PromptMsg, decode, decode_dead, encode
 from shared.service import ServiceRuntime
 from shared.store import FileStore
+from tests.support.plugins import plugin_module
 from tests.support.rollout import add_job, corrupt, engine_not_ready, publish, republish, rollout_service
 
 PROBE_IDS = [5, 6, 7, 8]
@@ -610,7 +611,7 @@ def test_evaluation_runs_in_rounds_and_never_holds_up_adoption(env) -> None:  # 
 def test_a_hanging_verifier_costs_its_deadline_not_the_loop(env, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     from shared.domain.tasks import task_for_job
 
-    (tmp_path / "hang_on_prompt.py").write_text(
+    hang = (
         "import time\nfrom shared.domain.verifiers import register_verifier\n"
         "@register_verifier('hang_on_prompt')\n"
         "def hang(completions, prompt='', hang='', **_):\n"
@@ -618,7 +619,7 @@ def test_a_hanging_verifier_costs_its_deadline_not_the_loop(env, tmp_path: Path,
         "        time.sleep(600)\n"
         "    return [1.0] * len(completions)\n"
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
+    plugin_module(tmp_path, monkeypatch, "hang_on_prompt", hang)
     make, store, r = env
     w, eng, _ = make()
     w.evaluator.scorer.close()

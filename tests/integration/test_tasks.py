@@ -16,6 +16,7 @@ from shared.domain.tasks.arith import ArithTask
 from shared.job import JobSpec
 from shared.task_spec import TaskSpec, render_template
 from tests.support import ROOT
+from tests.support.plugins import plugin_module
 
 
 def job(**kw: object) -> JobSpec:
@@ -183,12 +184,14 @@ def work(task: str, completions: list[str], fields: dict[str, str], spec: dict |
 
 
 def test_scorer_in_processes_with_deadline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "slow_rm_plugin.py").write_text(
+    plugin_module(
+        tmp_path,
+        monkeypatch,
+        "slow_rm_plugin",
         "import time\nfrom shared.domain.verifiers import register_verifier\n"
         "@register_verifier('slow_test')\n"
-        "def slow(completions, **_):\n    time.sleep(30)\n    return [1.0] * len(completions)\n"
+        "def slow(completions, **_):\n    time.sleep(30)\n    return [1.0] * len(completions)\n",
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
     scorer = Scorer(workers=1, plugins=["slow_rm_plugin"], max_timeout_s=60)
     try:
         good = work("arith", ["3", "4"], {"answer": "3"})

@@ -24,6 +24,7 @@ from shared.domain.verifiers import (
 )
 from shared.domain.verifiers.http import ALLOW_ENV
 from shared.task_spec import VerifierRef
+from tests.support.plugins import plugin_module
 
 
 def run(name: str, completions: list[str], **kw: object) -> list[float]:
@@ -253,12 +254,12 @@ def test_registry_refuses_silent_overrides() -> None:
 
 
 def test_plugins_load_from_named_modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "my_rm_plugin.py").write_text(
+    shouty = (
         "from shared.domain.verifiers import register_verifier\n"
         "@register_verifier('shouty')\n"
         "def shouty(completions, **_):\n    return [float(c.isupper()) for c in completions]\n"
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
+    plugin_module(tmp_path, monkeypatch, "my_rm_plugin", shouty)
     assert load_plugins(["my_rm_plugin", " "]) == ["my_rm_plugin"]
     assert "shouty" in verifier_names() and run("shouty", ["HI", "hi"]) == [1.0, 0.0]
     with pytest.raises(ImportError, match="BURSTRL_REWARD_PLUGINS"):

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from shared.plugins import import_plugins
+from shared.plugins import import_plugins, register
 
 
 @dataclass
@@ -126,14 +126,7 @@ _ENVS: dict[str, EnvFactory] = {}
 
 def register_env(name: str, factory: EnvFactory | None = None, *, replace: bool = False) -> Any:
     """Register `factory(**args) -> Env` under `name`; usable as a decorator."""
-
-    def add(f: EnvFactory) -> EnvFactory:
-        if name in _ENVS and _ENVS[name] is not f and not replace:
-            raise ValueError(f"environment {name!r} is already registered; pass replace=True to override it")
-        _ENVS[name] = f
-        return f
-
-    return add(factory) if factory is not None else add
+    return register(_ENVS, "environment", name, factory, replace=replace)
 
 
 def make_env(name: str, args: dict[str, Any] | None = None) -> Env:

@@ -19,7 +19,7 @@ import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from shared.plugins import import_plugins
+from shared.plugins import import_plugins, register
 
 VerifierFn = Callable[..., Sequence[float]]
 
@@ -55,14 +55,7 @@ _CHECKS: dict[str, ArgCheck] = {}
 
 def register_verifier(name: str, fn: VerifierFn | None = None, *, replace: bool = False) -> Any:
     """Register `fn` under `name`; usable as a decorator: `@register_verifier("mine")`."""
-
-    def add(f: VerifierFn) -> VerifierFn:
-        if name in _VERIFIERS and _VERIFIERS[name] is not f and not replace:
-            raise ValueError(f"verifier {name!r} is already registered; pass replace=True to override it")
-        _VERIFIERS[name] = f
-        return f
-
-    return add(fn) if fn is not None else add
+    return register(_VERIFIERS, "verifier", name, fn, replace=replace)
 
 
 def get_verifier(name: str) -> VerifierFn:
