@@ -16,13 +16,13 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from shared.domain.sandbox import check_isolation
+from tests.support.sandbox import host_folder
 
 SERVICE_UID = 10001  # the images' user (deploy/)
 REPO = Path(__file__).resolve().parents[2]
@@ -88,20 +88,16 @@ print(json.dumps({
 @pytest.fixture
 def service_home() -> Iterator[Path]:
     """A world-traversable folder with mount points for the code, the packages, and the user's files."""
-    d = Path(tempfile.mkdtemp(prefix="burstrl-nonroot-", dir="/var/tmp"))
-    d.chmod(0o755)
-    for sub in ("src", "site", "home"):
-        (d / sub).mkdir()
-    home = d / "home"
-    os.chown(home, SERVICE_UID, SERVICE_UID)
-    secret = home / "secret"
-    secret.write_text("s3cret")
-    os.chown(secret, SERVICE_UID, SERVICE_UID)
-    secret.chmod(0o600)
-    try:
+    with host_folder("burstrl-nonroot-") as d:
+        for sub in ("src", "site", "home"):
+            (d / sub).mkdir()
+        home = d / "home"
+        os.chown(home, SERVICE_UID, SERVICE_UID)
+        secret = home / "secret"
+        secret.write_text("s3cret")
+        os.chown(secret, SERVICE_UID, SERVICE_UID)
+        secret.chmod(0o600)
         yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def run_as_service_user(d: Path) -> dict:

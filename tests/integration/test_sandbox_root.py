@@ -14,7 +14,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ import pytest
 from shared.domain.sandbox import Limits, check_isolation, run_code, run_program
 from shared.domain.tasks.base import _task_for, score_many
 from shared.task_spec import TaskSpec
+from tests.support.sandbox import host_folder
 
 ok, why = check_isolation()
 pytestmark = pytest.mark.skipif(not ok, reason=f"sandbox unavailable here: {why}")
@@ -35,12 +35,8 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def host_dir() -> Iterator[Path]:
     """A world-readable directory on the host, outside /tmp (removed afterwards)."""
-    d = Path(tempfile.mkdtemp(prefix="burstrl-sandbox-test-", dir="/var/tmp"))
-    d.chmod(0o755)
-    try:
+    with host_folder("burstrl-sandbox-test-") as d:
         yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def test_the_dataset_a_task_was_loaded_from_is_unreachable(host_dir: Path) -> None:
