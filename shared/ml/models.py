@@ -15,16 +15,18 @@ RECIPE = "arith-slip0-sft600x128-v2"
 
 
 def ensure_tiny_model(out: Path, *, force: bool = False, log: Callable[[str], None] = print) -> Path:
+    note = "SFT warm-start with TRL (about a minute on 2 cores)"
+    return _ensure_warm_started(out, RECIPE, "tiny model", note, {}, force=force, log=log)
+
+
+def _ensure_warm_started(
+    out: Path, recipe: str, what: str, note: str, sft_args: dict[str, str], *, force: bool, log: Callable[[str], None]
+) -> Path:
+    """A tiny model SFT'd by `sft_warm_start(base, out, **sft_args)` (`note` logged as it starts)."""
     from shared.ml.sft import sft_warm_start
 
-    return _build_once(
-        out,
-        RECIPE,
-        what="tiny model",
-        sft=("SFT warm-start with TRL (about a minute on 2 cores)", lambda base, out: sft_warm_start(base, out)),
-        force=force,
-        log=log,
-    )
+    sft = (note, lambda base, into: sft_warm_start(base, into, **sft_args))
+    return _build_once(out, recipe, what=what, sft=sft, force=force, log=log)
 
 
 def _build_once(
@@ -118,19 +120,9 @@ COUNTUP_RECIPE = "countup-slip-sft600x128-v1"
 
 
 def ensure_countup_model(out: Path, *, force: bool = False, log: Callable[[str], None] = print) -> Path:
-    from shared.ml.sft import sft_warm_start
-
-    return _build_once(
-        out,
-        COUNTUP_RECIPE,
-        what="counting tiny model",
-        sft=(
-            "SFT warm-start on 'countup' traces (about 10 minutes on 2 cores)",
-            lambda base, out: sft_warm_start(base, out, task_name="countup"),
-        ),
-        force=force,
-        log=log,
-    )
+    note = "SFT warm-start on 'countup' traces (about 10 minutes on 2 cores)"
+    sft_args = {"task_name": "countup"}
+    return _ensure_warm_started(out, COUNTUP_RECIPE, "counting tiny model", note, sft_args, force=force, log=log)
 
 
 # The tool-use demo's model: the tiny architecture SFT'd on 3-digit sums ("arith3"), where
