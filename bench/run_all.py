@@ -121,35 +121,26 @@ def items(full: bool, out: Path) -> list[tuple[str, list[str], Path | None]]:
     ]
 
 
+def section_md(title: str, cmd: str, columns: list[str], rows: list[str]) -> str:
+    """A report section: its heading, the command that measured it, and a table (rows pre-formatted)."""
+    head = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join([f"## {title}", "", f"`{cmd}`", "", *head, *rows]) + "\n"
+
+
 def sync_md(cmd: str, data: list[dict[str, Any]]) -> str:
-    lines = [
-        "## Weight sync: publish -> adopt",
-        "",
-        f"`{cmd}`",
-        "",
-        "| engine mode | versions adopted | refused | p50 s | p95 s | max s |",
-        "|---|---|---|---|---|---|",
+    columns = ["engine mode", "versions adopted", "refused", "p50 s", "p95 s", "max s"]
+    rows = [
+        f"| {r['mode']} | {r['adopted']}/{r['versions_published']} | {r['refused']} | {r['p50_s']} | "
+        f"{r['p95_s']} | {r['max_s']} |"
+        for r in data
     ]
-    for r in data:
-        lines.append(
-            f"| {r['mode']} | {r['adopted']}/{r['versions_published']} | {r['refused']} | {r['p50_s']} | "
-            f"{r['p95_s']} | {r['max_s']} |"
-        )
-    return "\n".join(lines) + "\n"
+    return section_md("Weight sync: publish -> adopt", cmd, columns, rows)
 
 
 def tput_md(cmd: str, data: list[dict[str, Any]]) -> str:
-    lines = [
-        "## Rollout service vs the engine called directly",
-        "",
-        f"`{cmd}`",
-        "",
-        "| engine mode | direct tok/s | service tok/s | service / direct |",
-        "|---|---|---|---|",
-    ]
-    for r in data:
-        lines.append(f"| {r['mode']} | {r['direct_tok_s']} | {r['service_tok_s']} | **{r['ratio']:.2f}** |")
-    return "\n".join(lines) + "\n"
+    columns = ["engine mode", "direct tok/s", "service tok/s", "service / direct"]
+    rows = [f"| {r['mode']} | {r['direct_tok_s']} | {r['service_tok_s']} | **{r['ratio']:.2f}** |" for r in data]
+    return section_md("Rollout service vs the engine called directly", cmd, columns, rows)
 
 
 def trl_rows(d: list[dict[str, Any]], cmd: str, name: str) -> list[tuple[str, str, str, str]]:
