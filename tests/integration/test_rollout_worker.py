@@ -203,12 +203,19 @@ def test_pass_at_k() -> None:
     assert pass_at_k(4, 1, 4) == 1.0 and pass_at_k(4, 1, 2) == pytest.approx(0.5)
 
 
-def test_drain_before_unload_and_adapter_cap(env) -> None:  # noqa: ANN001
+def _serving_v1(env, **spec: object) -> tuple:  # noqa: ANN001
+    """A new job (no evaluation, `spec` on top) whose v1 the worker adopted: the worker, its
+    engine and HTTP client, the job, the store and Redis."""
     make, store, r = env
-    w, eng, _ = make()
-    job = add_job(r, "tiny", max_staleness=1, eval_size=0)
+    w, eng, http = make()
+    job = add_job(r, "tiny", **{"eval_size": 0, **spec})
     publish(store, r, job.id, 1, *good(1))
     w.refresh_jobs()
+    return w, eng, http, job, store, r
+
+
+def test_drain_before_unload_and_adapter_cap(env) -> None:  # noqa: ANN001
+    w, eng, _, job, store, r = _serving_v1(env, max_staleness=1)
     view = w.jobs[job.id]
     v1 = w.leases.take(view)  # a request in flight on v1
     publish(store, r, job.id, 2, *good(2))
@@ -226,11 +233,7 @@ def test_drain_before_unload_and_adapter_cap(env) -> None:  # noqa: ANN001
 
 
 def test_refusals_keep_old_version_and_show_everywhere(env) -> None:  # noqa: ANN001
-    make, store, r = env
-    w, eng, http = make()
-    job = add_job(r, "tiny", max_staleness=0, eval_size=0)  # cap 1: the swap path
-    publish(store, r, job.id, 1, *good(1))
-    w.refresh_jobs()
+    w, eng, http, job, store, r = _serving_v1(env, max_staleness=0)  # cap 1: the swap path
     publish(store, r, job.id, 2, *good(2))
     corrupt(store, job.id, 2)
     publish(store, r, job.id, 3, *fake_version([-1.0, -2.0, -3.0], probe_lp=[-1.0, -2.0, -3.5]))
@@ -342,11 +345,7 @@ def test_jobs_share_engine_calls_with_their_own_adapters(env) -> None:  # noqa: 
 
 
 def test_engine_restart_reloads_and_reprobes_adapters(env) -> None:  # noqa: ANN001
-    make, store, r = env
-    w, eng, http = make()
-    job = add_job(r, "tiny", eval_size=0)
-    publish(store, r, job.id, 1, *good(1))
-    w.refresh_jobs()
+    w, eng, http, job, store, r = _serving_v1(env)
     w.s.engine_retry_s = 0.01
     eng.loaded.clear()  # the server restarted and forgot its runtime-loaded adapters
     feed(r, job.id, 2)
@@ -483,11 +482,7 @@ def _refusals(r, job_id: str) -> list[tuple[int, str]]:  # noqa: ANN001
 
 
 def test_a_republished_version_is_tried_again_an_unchanged_one_is_not(env) -> None:  # noqa: ANN001
-    make, store, r = env
-    w, eng, http = make()
-    job = add_job(r, "tiny", eval_size=0)
-    publish(store, r, job.id, 1, *good(1))
-    w.refresh_jobs()
+    w, eng, http, job, store, r = _serving_v1(env)
     publish(store, r, job.id, 2, *good(2))
     corrupt(store, job.id, 2)
     w.refresh_jobs()
