@@ -95,6 +95,13 @@ def metrics(job_id: str) -> str:
     return f"{PREFIX}:{job_id}:metrics"
 
 
+def sessions(job_id: str) -> str:
+    """Stream of the trainer's session points (start and end of each lease it held), each with
+    `metrics_id`, the id of the same point in `metrics`: the burst timeline's index, so it
+    reads O(sessions), not the whole series (shared/metrics.py, record_session_point)."""
+    return f"{PREFIX}:{job_id}:sessions"
+
+
 def evals(job_id: str) -> str:
     """Hash policy version -> EvalResult JSON (held-out evaluation per version)."""
     return f"{PREFIX}:{job_id}:evals"
