@@ -46,8 +46,6 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.support.backlog import Drain, group, new_job, push_ready, runtime, spec, spiller  # noqa: E402
-
 from bench.pipeline import MODEL, Stack, submit  # noqa: E402
 from services.cli.launch import free_port, port_open, terminate  # noqa: E402
 from services.rollout.spill import SPILL_WRITERS  # noqa: E402
@@ -61,6 +59,7 @@ from shared.redis_conn import connect  # noqa: E402
 from shared.schema import GroupMsg, encode  # noqa: E402
 from shared.segments import DATA, pack  # noqa: E402
 from shared.store import MANIFEST, ObjectStore, open_store  # noqa: E402
+from tests.support.backlog import Drain, group, new_job, push_ready, runtime, spec, spiller  # noqa: E402
 
 # The job of the idle runs: the demo's task on the tiny model, no ref stage, no evaluation.
 IDLE_JOB: dict[str, Any] = {
