@@ -56,7 +56,7 @@ TEST_ORDER := tests/e2e tests/integration tests/unit
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(XDIST) $(TEST_ORDER)
+	$(BIN)/python -m pytest -q --durations=25 $(XDIST) $(TEST_ORDER)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q $(XDIST) -m "not slow" $(TEST_ORDER)
