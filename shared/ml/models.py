@@ -86,7 +86,9 @@ def _build(
 # The reasoning-gym demo's model (examples/demo_rg.toml): the tiny architecture SFT'd briefly on
 # the demo task's own train items (shared/ml/sft_rg.py), stopped at partial competence (~0.15
 # held-out pass@1 at T=1) so that GRPO groups have variance. tiny-sft cannot serve: it scores ~0
-# on reasoning-gym's prompts (examples/rg_tiny_v0.py).
+# on reasoning-gym's prompts (examples/rg_tiny_v0.py). Random init, not tiny-sft: the build
+# stands alone, and nothing from burstrl's own arith data is in it. GRPO does not improve it
+# (README, "Tasks from reasoning-gym").
 RG_RECIPE = "rg-chain_sum-2to3x1digit-sft300x64-v1"
 
 
