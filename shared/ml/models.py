@@ -83,6 +83,28 @@ def _build(
     return out
 
 
+# The reasoning-gym demo's model (examples/demo_rg.toml): the tiny architecture SFT'd briefly on
+# the demo task's own train items (shared/ml/sft_rg.py), stopped at partial competence (~0.15
+# held-out pass@1 at T=1) so that GRPO groups have variance. tiny-sft cannot serve: it scores ~0
+# on reasoning-gym's prompts (examples/rg_tiny_v0.py). Random init, not tiny-sft: the build
+# stands alone, and nothing from burstrl's own arith data is in it. GRPO does not improve it
+# (README, "Tasks from reasoning-gym").
+RG_RECIPE = "rg-chain_sum-2to3x1digit-sft300x64-v1"
+
+
+def ensure_rg_model(out: Path, *, force: bool = False, log: Callable[[str], None] = print) -> Path:
+    from shared.ml.sft_rg import RG_TASK, sft_rg
+
+    return _build_once(
+        out,
+        RG_RECIPE,
+        what="reasoning-gym tiny model",
+        sft=(f"SFT warm-start on {RG_TASK} train items (about 90 s on 2 cores)", lambda base, out: sft_rg(base, out)),
+        force=force,
+        log=log,
+    )
+
+
 # The teacher of the distillation test: the tiny SFT model trained further on clean demos
 # (the right sum, then EOS, every time), so it is much better than the student it starts from.
 TEACHER_RECIPE = "arith-teacher-clean300x128-v1"
