@@ -217,7 +217,6 @@ def _sft_tool_use(
     call, the tool's output, then an empty turn (EOS) that submits it; or a direct answer.
     """
     import itertools
-    import math
     import random
 
     import torch
@@ -226,6 +225,7 @@ def _sft_tool_use(
     from shared.domain.envs.calc import Arith3Task
     from shared.domain.envs.python_tool import Arith3PyTask
     from shared.domain.tasks.base import TaskItem
+    from shared.ml.sft import masked_sft
 
     # The concrete classes, not the registry: `demonstration` is theirs, not the Task protocol's.
     the_task: Arith3Task = {"arith3": Arith3Task, "arith3py": Arith3PyTask}[task]()
@@ -256,26 +256,14 @@ def _sft_tool_use(
             labels += t if trained else [-100] * len(t)
         return ids, labels
 
-    opt = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
-    warm = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / (steps - warm)))
+    examples = (example(it) for it in items)
+    masked_sft(
+        model,
+        tok,
+        out_dir,
+        examples,
+        steps=steps,
+        batch_size=batch_size,
+        learning_rate=learning_rate,
+        what=f"{task} tool-use",
     )
-    model.train()
-    for step in range(steps):
-        batch = [example(it) for it in itertools.islice(items, batch_size)]
-        width = max(len(x) for x, _ in batch)
-        ids = torch.tensor([x + [tok.pad_token_id] * (width - len(x)) for x, _ in batch])
-        labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in batch])
-        attn = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in batch])
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        if step % 50 == 0 or step == steps - 1:
-            print(f"{task} tool-use SFT step {step}/{steps} loss {loss.item():.3f}", flush=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tok.save_pretrained(out_dir)

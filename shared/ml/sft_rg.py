@@ -14,7 +14,6 @@ job evaluates on are never trained on (tests/integration/test_sft_rg.py checks).
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -56,6 +55,8 @@ def sft_rg(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from shared.ml.sft import masked_sft
+
     torch.manual_seed(seed)
     # One thread: on a busy 2-core box, two OpenMP threads spin against each other.
     torch.set_num_threads(1)
@@ -68,27 +69,7 @@ def sft_rg(
         c = tok(completion + tok.eos_token, add_special_tokens=False)["input_ids"]
         return p + c, [-100] * len(p) + c
 
-    opt = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
-    warm = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / (steps - warm)))
+    encoded = (encode(p, c) for _, p, c in examples)
+    return masked_sft(
+        model, tok, out_dir, encoded, steps=steps, batch_size=batch_size, learning_rate=learning_rate, what=RG_TASK
     )
-    model.train()
-    for step in range(steps):
-        batch = [encode(p, c) for _, p, c in itertools.islice(examples, batch_size)]
-        width = max(len(x) for x, _ in batch)
-        ids = torch.tensor([x + [tok.pad_token_id] * (width - len(x)) for x, _ in batch])
-        labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in batch])
-        attn = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in batch])
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        if step % 50 == 0 or step == steps - 1:
-            print(f"{RG_TASK} SFT step {step}/{steps} loss {loss.item():.3f}", flush=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tok.save_pretrained(out_dir)
-    return out_dir
