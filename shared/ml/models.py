@@ -21,7 +21,10 @@ def ensure_tiny_model(out: Path, *, force: bool = False, log: Callable[[str], No
         out,
         RECIPE,
         what="tiny model",
-        sft=("SFT warm-start with TRL (about a minute on 2 cores)", lambda base, out: sft_warm_start(base, out)),
+        sft=(
+            "SFT warm-start with TRL (600 steps; minutes on 2 cores, more on a busy box)",
+            lambda base, out: sft_warm_start(base, out),
+        ),
         force=force,
         log=log,
     )
