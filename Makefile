@@ -37,6 +37,13 @@ images: install-containers
 test-containers: $(STAMP) images
 	$(BIN)/python -m pytest -q -x -m containers tests/e2e/test_containers.py
 
+# OpenMP threads that wait by sleeping instead of spinning. Two or more torch processes share
+# these cores in a service stack (and in two test workers); spinning threads then starve each
+# other: the tiny model's SFT ran ~80x slower than idle under load 4.5 on 2 cores, and a
+# small-op loop 4.5x slower than with PASSIVE (bench/omp_wait.py). `?=`: a dedicated box may
+# set ACTIVE.
+export OMP_WAIT_POLICY ?= PASSIVE
+
 demo: $(STAMP)
 	$(BIN)/burstrl demo
 
@@ -49,7 +56,7 @@ TEST_ORDER := tests/e2e tests/integration tests/unit
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(XDIST) $(TEST_ORDER)
+	$(BIN)/python -m pytest -q --durations=25 $(XDIST) $(TEST_ORDER)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q $(XDIST) -m "not slow" $(TEST_ORDER)

@@ -46,8 +46,6 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.backlog_helpers import Drain, group, new_job, push_ready, runtime, spec, spiller  # noqa: E402
-
 from bench.pipeline import MODEL, Stack, submit  # noqa: E402
 from services.cli.launch import free_port, port_open, terminate  # noqa: E402
 from services.rollout.spill import SPILL_WRITERS  # noqa: E402
@@ -56,11 +54,12 @@ from shared import keys  # noqa: E402
 from shared.backlog import read_index  # noqa: E402
 from shared.bus import Bus  # noqa: E402
 from shared.job import load_job  # noqa: E402
-from shared.metrics import read_ledger, read_points  # noqa: E402
+from shared.metrics import read_ledger, read_points, read_session_points  # noqa: E402
 from shared.redis_conn import connect  # noqa: E402
 from shared.schema import GroupMsg, encode  # noqa: E402
 from shared.segments import DATA, pack  # noqa: E402
 from shared.store import MANIFEST, ObjectStore, open_store  # noqa: E402
+from tests.support.backlog import Drain, group, new_job, push_ready, runtime, spec, spiller  # noqa: E402
 
 # The job of the idle runs: the demo's task on the tiny model, no ref stage, no evaluation.
 IDLE_JOB: dict[str, Any] = {
@@ -96,7 +95,7 @@ def idle_run(stack: Stack, mode: str, cycles: int, cycle_s: float, duty: float) 
         stack.launcher.stop("trainer", timeout=60)  # SIGTERM: checkpoints, exits
         trainer_alive += time.time() - ta
     t1 = time.time()
-    sessions = [p for p in read_points(r, job_id, "trainer_session") if p.get("event") == "end"]
+    sessions = [p for p in read_session_points(r, job_id) if p.get("event") == "end"]
     steps = [p for p in read_points(r, job_id, "trainer") if t0 <= p["at"] <= t1]
     points = [p for p in read_points(r, job_id, "rollout") if t0 <= p["at"] <= t1]
     busy = sum(float(p["seconds"]) for p in points)

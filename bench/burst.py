@@ -74,7 +74,7 @@ from bench.backlog import BACKLOG  # noqa: E402
 from bench.pipeline import MODEL, Stack, submit  # noqa: E402
 from bench.trl_compare import BATCH, G, evaluate_versions, trl_subprocess  # noqa: E402
 from services.plan.billable import accuracy_at, billable_at, session_intervals, time_to, union, windows_billable  # noqa: E402
-from shared.metrics import read_ledger, read_points  # noqa: E402
+from shared.metrics import read_ledger, read_points, read_session_points  # noqa: E402
 
 TASK, LR, SEED = "arith", 1e-3, 0
 JOB: dict[str, Any] = {
@@ -226,7 +226,7 @@ def burst_run(stack: Stack, setup: str, a: argparse.Namespace) -> dict[str, Any]
     t1 = time.time()
     httpx.post(f"{stack.api}/v1/jobs/{job_id}/cancel", timeout=30)
     points = sorted(read_points(r, job_id, "trainer"), key=lambda p: p["step"])
-    sessions = [p for p in read_points(r, job_id, "trainer_session") if p.get("event") == "end"]
+    sessions = [p for p in read_session_points(r, job_id) if p.get("event") == "end"]
     made = [p for p in read_points(r, job_id, "rollout") if t0 <= p["at"] <= t1]
     billed = union(trainer_iv + replica_iv)
     keep = ("step", "at", "groups", "wait_s", "train_s", "publish_s", "checkpoint_s", "staleness_mean")

@@ -116,6 +116,11 @@ def items(full: bool, out: Path) -> list[tuple[str, list[str], Path | None]]:
         ("tput", [PY, "bench/rollout_throughput.py", *s["tput"], "--json", str(b / "tput.json")], None),
         ("scaling", [PY, "bench/scaling.py", *s["scaling"], "--out", str(b / "scaling.md")], b / "scaling.md"),
         ("verifiers", [PY, "bench/verifiers.py", "--n-math", "200", "--n-code", "32"], None),
+        (
+            "omp_wait",
+            [PY, "bench/omp_wait.py", "--rounds", "3" if full else "2", "--out", str(b / "omp_wait.md")],
+            b / "omp_wait.md",
+        ),
         ("backlog", [PY, "bench/backlog.py", *s["backlog"], "--out", str(b / "backlog.md")], b / "backlog.md"),
         ("burst", [PY, "bench/burst.py", *(["--full"] if full else []), "--out", str(b / "burst.md")], b / "burst.md"),
     ]
@@ -223,6 +228,12 @@ def summary(b: Path, cmds: dict[str, str]) -> list[str]:
                 )
             )
         rows.append(("Redis time / trainer step", f"{100 * d['bus_frac']:.2f}%", "small", "pipeline"))
+    if "omp_wait" in cmds and (b / "omp_wait.md").exists():
+        for m in re.finditer(
+            r"^\| (\d+) \| [0-9.]+ \| [0-9.]+ \| \*\*([0-9.]+)x\*\* \|$", (b / "omp_wait.md").read_text(), re.M
+        ):
+            what = f"tiny-model step time, OpenMP default / PASSIVE ({m.group(1)} torch processes at once)"
+            rows.append((what, f"{m.group(2)}x", ">= 1 (the Makefile's OMP_WAIT_POLICY)", "omp_wait"))
     if "bus" in cmds and (b / "bus.md").exists():
         text = (b / "bus.md").read_text()
         if m := re.search(r"\| bus: .*?\*\*([0-9.]+)\*\*", text):

@@ -2,8 +2,8 @@
 
     PYTHONPATH=. .venv/bin/python examples/run_demo_rg.py --steps 30 --out docs/demo_rg.png
 
-What `burstrl up` + `burstrl submit examples/demo_rg.toml --follow` do, but on free ports
-(so it runs beside another stack) and with the demo's plot at the end.
+What `burstrl init-model --rg` + `burstrl up` + `burstrl submit examples/demo_rg.toml --follow`
+do, but on free ports (so it runs beside another stack) and with the demo's plot at the end.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from services.cli.demo import plot
 from services.cli.follow import follow_job, print_summary
 from services.cli.launch import Launcher, free_port
 from services.cli.stack import stack_env
+from shared.ml.models import ensure_rg_model
 
 ROLES = ["api", "reward", "ref", "rollout", "trainer"]
 
@@ -35,6 +36,8 @@ def main() -> None:
     spec = tomllib.loads(a.job.read_text())
     spec["steps"] = a.steps
     spec["base_model"] = str(Path(spec["base_model"]).resolve())
+    if Path(spec["base_model"]).name == "tiny-sft-rg":  # the demo's own model: built once, cached
+        ensure_rg_model(Path(spec["base_model"]), log=console.print)
     a.home.mkdir(parents=True, exist_ok=True)
     launcher = Launcher(a.home / "run")
     try:
@@ -55,6 +58,13 @@ def main() -> None:
         print_summary(status, console)
         (a.home / "status.json").write_text(json.dumps(status))
         console.print(f"plot: {plot(status, a.out)}")
+        evals = status["evals"]
+        if len(evals) >= 2:
+            first, last = evals[0], evals[-1]
+            console.print(
+                f"held-out pass@1: v{first['version']} {first['accuracy']:.3f} -> v{last['version']} "
+                f"{last['accuracy']:.3f}; greedy {first['greedy_accuracy']:.3f} -> {last['greedy_accuracy']:.3f}"
+            )
     finally:
         launcher.stop_all()
 

@@ -77,6 +77,12 @@ agent_groups = _per_job(
     "so each agent group enters the ledger once.",
 )
 metrics = _per_job("metrics", "Stream of MetricPoint entries (the job's durable time series).")
+sessions = _per_job(
+    "sessions",
+    "Stream of the trainer's session points (start and end of each lease it held), each with `metrics_id`, "
+    "the id of the same point in `metrics`: the burst timeline's index, so it reads O(sessions), not the "
+    "whole series (shared/metrics.py, record_session_point).",
+)
 evals = _per_job("evals", "Hash policy version -> EvalResult JSON (held-out evaluation per version).")
 trainer_lease = _per_job(
     "trainer-lease", 'Lease held by the one trainer process that trains a job: "{token} {epoch}" (shared/lease.py).'

@@ -22,11 +22,43 @@ from shared.schema import decode_point, encode_point
 log = logging.getLogger(__name__)
 
 MAX_POINTS = 100_000  # per job; approximate trim keeps Redis memory bounded
+MAX_SESSION_POINTS = 20_000  # per job: two per trainer session (hourly bursts for over a year)
+SESSION = "trainer_session"  # the source of session points
 
 
-def record_point(r: redis.Redis, job_id: str, source: str, values: dict[str, Any]) -> None:
-    """Append one point (flat JSON: source, at, then the values) to the job's series."""
-    r.xadd(keys.metrics(job_id), {b"m": encode_point(source, time.time(), values)}, maxlen=MAX_POINTS, approximate=True)
+def record_point(r: redis.Redis, job_id: str, source: str, values: dict[str, Any]) -> str:
+    """Append one point (flat JSON: source, at, then the values) to the job's series; its id."""
+    payload = encode_point(source, time.time(), values)
+    return r.xadd(keys.metrics(job_id), {b"m": payload}, maxlen=MAX_POINTS, approximate=True).decode()
+
+
+def record_session_point(r: redis.Redis, job_id: str, values: dict[str, Any]) -> None:
+    """A trainer session's start or end point: in the job's series like every point (the
+    dashboard and trackers read it there), then in the session index with its series id.
+
+    Two writes, not one script: a crash between them loses the point from the index only,
+    and a session whose start point is missing still shows from its end point."""
+    payload = encode_point(SESSION, time.time(), values)
+    mid = r.xadd(keys.metrics(job_id), {b"m": payload}, maxlen=MAX_POINTS, approximate=True)
+    r.xadd(keys.sessions(job_id), {b"m": payload, b"metrics_id": mid}, maxlen=MAX_SESSION_POINTS, approximate=True)
+
+
+def read_session_points(r: redis.Redis, job_id: str) -> list[dict[str, Any]]:
+    """The job's session points, oldest first, each with `id`: its id in the series (the
+    cursor `read_points(after=...)` takes for the steps since). A job whose trainer predates
+    the index has its session points only in the series: read them there."""
+    if not r.exists(keys.sessions(job_id)):
+        return read_points(r, job_id, SESSION, with_ids=True)
+    out = []
+    for sid, fields in r.xrange(keys.sessions(job_id)):
+        try:
+            p = decode_point(fields[b"m"])
+            mid = fields[b"metrics_id"].decode()
+        except (KeyError, UnicodeDecodeError, msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.warning("job %s: session point %s is not valid, skipped: %s", job_id, sid, e)
+            continue
+        out.append({"id": mid, **p})
+    return out
 
 
 def read_points(

@@ -25,6 +25,7 @@ from shared.store import MANIFEST, ObjectStore, StoreError, VerificationError, g
 __all__ = [
     "MANIFEST",
     "DeposedWrite",
+    "VersionExists",
     "Manifest",
     "ManifestError",
     "ProbeMismatch",
@@ -98,6 +99,11 @@ class DeposedWrite(VerificationError):
     """A version or checkpoint written by a trainer after another took its job over: never used."""
 
 
+class VersionExists(StoreError):
+    """A version's manifest is already in the store: versions are immutable. For a trainer that
+    looked and found none, another writer got there first (after a takeover, the new holder)."""
+
+
 class ProbeMismatch(VerificationError):
     """The engine's log-probs under a version differ from the trainer's: wrong or mis-loaded weights."""
 
@@ -141,7 +147,7 @@ def publish_version(
     """Write files, then the manifest naming their hashes. Returns the version prefix."""
     prefix = version_prefix(manifest.job_id, manifest.version)
     if store.exists(f"{prefix}/{MANIFEST}"):
-        raise StoreError(f"{prefix} already exists: policy versions are immutable")
+        raise VersionExists(f"{prefix} already exists: policy versions are immutable")
     meta = {k: v for k, v in manifest.__dict__.items() if k != "files"}
     manifest.files = put_folder(store, prefix, files, meta, before_manifest=before_manifest)["files"]
     return prefix

@@ -10,6 +10,11 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+# Before anything imports torch, and inherited by every service a test starts: OpenMP threads
+# that sleep when idle instead of spinning, as the Makefile exports for `make test` (see the
+# reason there); this covers pytest run by hand too.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 import redis
 

@@ -3,7 +3,9 @@ it trained and the lag of the data it trained on.
 
 Built from the trainer's "trainer_session" points (services/trainer/step_report.py): one at
 the start of a session (the job leased) and one at its end, both carrying the session's
-fencing epoch, which is unique per session (docs/architecture.md, invariant 10). A session is
+fencing epoch, which is unique per session (docs/architecture.md, invariant 10). They are read
+from the job's session index (`keys.sessions`), so a call costs O(sessions), not a scan of the
+job's whole metrics series. A session is
 - `ended`: its end point is there; its numbers are the end point's (billable seconds from the
   process start to leaving the job, start-up and model load included);
 - `training`: no end point yet and its epoch still holds the lease: billable so far is now
@@ -20,7 +22,7 @@ from typing import Any
 import redis
 
 from shared import keys
-from shared.metrics import read_points
+from shared.metrics import read_points, read_session_points
 
 MAX_SESSIONS = 1000  # per answer: a week of hourly bursts is 168
 
@@ -83,7 +85,7 @@ def burst_timeline(r: redis.Redis, job_id: str, *, limit: int) -> dict[str, Any]
     """The job's last `limit` sessions, oldest first, with totals over them."""
     starts: dict[int, dict[str, Any]] = {}
     ends: dict[int, dict[str, Any]] = {}
-    for p in read_points(r, job_id, "trainer_session", with_ids=True):
+    for p in read_session_points(r, job_id):
         epoch, event = p.get("epoch"), p.get("event")
         if not isinstance(epoch, int) or event not in ("start", "end"):  # not a session point we know
             continue

@@ -14,6 +14,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="burstrl: GRP
 console = Console()
 HOME = Path(os.environ.get("BURSTRL_HOME", ".burstrl"))
 TINY = HOME / "models" / "tiny-sft"
+TINY_RG = HOME / "models" / "tiny-sft-rg"  # examples/demo_rg.toml's base_model
 
 
 def _api(url: str | None) -> str:
@@ -30,12 +31,19 @@ def _headers() -> dict[str, str]:
 
 @app.command("init-model")
 def init_model(
-    out: Annotated[Path, typer.Option(help="Where to write the SFT-warm-started model.")] = TINY, force: bool = False
+    out: Annotated[Path | None, typer.Option(help="Where to write the SFT-warm-started model.")] = None,
+    force: bool = False,
+    rg: Annotated[
+        bool, typer.Option("--rg", help="The reasoning-gym demo's model instead (examples/demo_rg.toml).")
+    ] = False,
 ) -> None:
-    """Build the tiny offline model (tokenizer + Qwen2) and warm-start it with TRL SFT."""
-    from shared.ml.models import ensure_tiny_model
+    """Build the tiny offline model (tokenizer + Qwen2) and warm-start it by SFT (--rg: the rg demo's)."""
+    from shared.ml.models import ensure_rg_model, ensure_tiny_model
 
-    path = ensure_tiny_model(out, force=force, log=console.print)
+    if rg:
+        path = ensure_rg_model(out or TINY_RG, force=force, log=console.print)
+    else:
+        path = ensure_tiny_model(out or TINY, force=force, log=console.print)
     console.print(f"[green]model ready:[/] {path}")
 
 

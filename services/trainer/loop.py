@@ -62,7 +62,7 @@ from shared import keys
 from shared.bus import Bus
 from shared.job import JobRecord, JobState, load_job, set_state
 from shared.lease import Lease, LeaseKeeper, LeaseLost
-from shared.metrics import read_ledger, record_point
+from shared.metrics import read_ledger, record_point, record_session_point
 from shared.ml.pass_tokens import trainer_pass_tokens
 from shared.policy import read_manifest
 from shared.schema import GroupMsg, decode
@@ -263,7 +263,7 @@ class JobTrainer:
     def _session_point(self, event: str) -> None:
         """The burst timeline: when this trainer held the job, what it cost and what it trained."""
         try:
-            record_point(self.r, self.rec.id, "trainer_session", self.session.point(event, reason=self.exit_reason))
+            record_session_point(self.r, self.rec.id, self.session.point(event, reason=self.exit_reason))
         except redis.RedisError as e:  # a report, not a correctness matter: never mask the real exit
             log.warning("job %s: could not record the session %s: %s", self.rec.id, event, e)
 

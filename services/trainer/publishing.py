@@ -21,6 +21,7 @@ from shared.policy import (
     MANIFEST,
     Manifest,
     ProbeMismatch,
+    VersionExists,
     advance_pointer,
     check_probe,
     publish_version,
@@ -70,7 +71,13 @@ class Publisher:
             probe=probe,
             epoch=self.lease.epoch if self.lease is not None else 0,
         )
-        publish_version(self.store, m, files, before_manifest=self.assert_lease)
+        try:
+            publish_version(self.store, m, files, before_manifest=self.assert_lease)
+        except VersionExists:
+            # It appeared between our look and our write: after a takeover that is the new
+            # holder's version, so this trainer is deposed (LeaseLost), not facing a store fault.
+            self.assert_lease()
+            raise
         return m.created_at
 
     def problem(self, v: int, probe: dict[str, list]) -> str:

@@ -15,7 +15,7 @@ RECIPE = "arith-slip0-sft600x128-v2"
 
 
 def ensure_tiny_model(out: Path, *, force: bool = False, log: Callable[[str], None] = print) -> Path:
-    note = "SFT warm-start with TRL (about a minute on 2 cores)"
+    note = "SFT warm-start with TRL (600 steps; minutes on 2 cores, more on a busy box)"
     return _ensure_warm_started(out, RECIPE, "tiny model", note, {}, force=force, log=log)
 
 
@@ -83,6 +83,28 @@ def _build(
     shutil.rmtree(out / "_sft_run", ignore_errors=True)
     (out / DONE).write_text(json.dumps({"base": str(base), "recipe": recipe}))
     return out
+
+
+# The reasoning-gym demo's model (examples/demo_rg.toml): the tiny architecture SFT'd briefly on
+# the demo task's own train items (shared/ml/sft_rg.py), stopped at partial competence (~0.15
+# held-out pass@1 at T=1) so that GRPO groups have variance. tiny-sft cannot serve: it scores ~0
+# on reasoning-gym's prompts (examples/rg_tiny_v0.py). Random init, not tiny-sft: the build
+# stands alone, and nothing from burstrl's own arith data is in it. GRPO does not improve it
+# (README, "Tasks from reasoning-gym").
+RG_RECIPE = "rg-chain_sum-2to3x1digit-sft300x64-v1"
+
+
+def ensure_rg_model(out: Path, *, force: bool = False, log: Callable[[str], None] = print) -> Path:
+    from shared.ml.sft_rg import RG_TASK, sft_rg
+
+    return _build_once(
+        out,
+        RG_RECIPE,
+        what="reasoning-gym tiny model",
+        sft=(f"SFT warm-start on {RG_TASK} train items (about 90 s on 2 cores)", lambda base, out: sft_rg(base, out)),
+        force=force,
+        log=log,
+    )
 
 
 # The teacher of the distillation test: the tiny SFT model trained further on clean demos
@@ -187,7 +209,6 @@ def _sft_tool_use(
     call, the tool's output, then an empty turn (EOS) that submits it; or a direct answer.
     """
     import itertools
-    import math
     import random
 
     import torch
@@ -196,6 +217,7 @@ def _sft_tool_use(
     from shared.domain.envs.calc import Arith3Task
     from shared.domain.envs.python_tool import Arith3PyTask
     from shared.domain.tasks.base import TaskItem
+    from shared.ml.sft import masked_sft
 
     # The concrete classes, not the registry: `demonstration` is theirs, not the Task protocol's.
     the_task: Arith3Task = {"arith3": Arith3Task, "arith3py": Arith3PyTask}[task]()
@@ -226,26 +248,14 @@ def _sft_tool_use(
             labels += t if trained else [-100] * len(t)
         return ids, labels
 
-    opt = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
-    warm = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / (steps - warm)))
+    examples = (example(it) for it in items)
+    masked_sft(
+        model,
+        tok,
+        out_dir,
+        examples,
+        steps=steps,
+        batch_size=batch_size,
+        learning_rate=learning_rate,
+        what=f"{task} tool-use",
     )
-    model.train()
-    for step in range(steps):
-        batch = [example(it) for it in itertools.islice(items, batch_size)]
-        width = max(len(x) for x, _ in batch)
-        ids = torch.tensor([x + [tok.pad_token_id] * (width - len(x)) for x, _ in batch])
-        labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in batch])
-        attn = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in batch])
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        if step % 50 == 0 or step == steps - 1:
-            print(f"{task} tool-use SFT step {step}/{steps} loss {loss.item():.3f}", flush=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tok.save_pretrained(out_dir)

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import random
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,51 @@ def sft_warm_start(
     )
     trainer = SFTTrainer(model=model, args=cfg, train_dataset=data, processing_class=tok)
     trainer.train()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+def masked_sft(
+    model: Any,
+    tok: Any,
+    out_dir: Path,
+    examples: Iterator[tuple[list[int], list[int]]],
+    *,
+    steps: int,
+    batch_size: int,
+    learning_rate: float,
+    what: str,
+) -> Path:
+    """A plain torch SFT loop over (token ids, labels) examples, labels -100 where nothing is
+    learned (a prompt, a tool's output): AdamW, warm-up over steps/20 then cosine, grad norm
+    clipped at 1; batches taken from `examples` in order. Saves the model and tokenizer.
+
+    For what TRL's completion-only loss cannot say (a tool's output masked mid-sequence), and
+    for the demo models where TRL's per-step overhead dominates a model this small."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
+    warm = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / (steps - warm)))
+    )
+    model.train()
+    for step in range(steps):
+        batch = list(itertools.islice(examples, batch_size))
+        width = max(len(x) for x, _ in batch)
+        ids = torch.tensor([x + [tok.pad_token_id] * (width - len(x)) for x, _ in batch])
+        labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in batch])
+        attn = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in batch])
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 50 == 0 or step == steps - 1:
+            print(f"{what} SFT step {step}/{steps} loss {loss.item():.3f}", flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tok.save_pretrained(out_dir)

@@ -68,7 +68,7 @@ def test_redis_replaced_by_an_empty_instance_is_loud_and_recoverable(tmp_path, t
             got = [readyz(p) for p in ports.values()]
             return all(code == 503 and "lost its data" in body["checks"]["redis"]["reason"] for code, body in got)
 
-        wait_for(all_loud, 60, "every service not ready with the reason", stack.launcher)
+        wait_for(all_loud, 180, "every service not ready with the reason", stack.launcher)
         client = srv.client()
         with pytest.raises(UnknownJob):
             audit(client, job_id)
@@ -78,7 +78,7 @@ def test_redis_replaced_by_an_empty_instance_is_loud_and_recoverable(tmp_path, t
 
         got = httpx.post(f"{api}/v1/orphans/recover", timeout=60).json()
         assert got["recovered"] == [job_id]
-        wait_for(lambda: all(readyz(p)[0] == 200 for p in ports.values()), 60, "services ready again", stack.launcher)
+        wait_for(lambda: all(readyz(p)[0] == 200 for p in ports.values()), 180, "services ready again", stack.launcher)
         final = wait_for(
             lambda: (lambda s: s if s["job"]["state"] == "completed" else None)(status()),
             400,

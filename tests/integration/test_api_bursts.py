@@ -8,8 +8,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from services.trainer.step_report import Session
+from shared import keys
 from shared.lease import Lease
-from shared.metrics import record_point
+from shared.metrics import record_point, record_session_point
 from tests.support.api import api_client
 
 TOKEN = "s3cr3t-token-for-tests-0123"
@@ -27,14 +28,22 @@ def _step(r, job_id: str, step: int, lag: int, groups: int = 4) -> dict:
     return point
 
 
-def _session(r, job_id: str, epoch: int, *, lags: list[int], end: bool, first_step: int) -> Session:
-    """What services/trainer/loop.py writes: a start point, step points, and (unless killed) an end point."""
+def _session(
+    r, job_id: str, epoch: int, *, lags: list[int], end: bool, first_step: int, indexed: bool = True
+) -> Session:
+    """What services/trainer/loop.py writes: a start point, step points, and (unless killed) an
+    end point. `indexed=False`: as a trainer from before the session index wrote them."""
+    record = (
+        (lambda p: record_session_point(r, job_id, p))
+        if indexed
+        else (lambda p: record_point(r, job_id, "trainer_session", p))
+    )
     s = Session(process_start=time.time() - 30, epoch=epoch, replica=f"h200-{epoch}", step=first_step)
-    record_point(r, job_id, "trainer_session", s.point("start"))
+    record(s.point("start"))
     for i, lag in enumerate(lags):
         s.trained(_step(r, job_id, first_step + i + 1, lag))
     if end:
-        record_point(r, job_id, "trainer_session", s.point("end", reason="time budget: 0 s left"))
+        record(s.point("end", reason="time budget: 0 s left"))
     return s
 
 
@@ -77,6 +86,44 @@ def test_the_timeline_shows_each_session_its_billable_seconds_steps_and_lag(clie
 
     newest = client.get(f"/v1/jobs/{job_id}/bursts", params={"limit": 1}).json()
     assert [s["epoch"] for s in newest["sessions"]] == [4] and newest["truncated"] is True
+
+
+def _epochs(r, job_id: str, n: int) -> list[int]:
+    """n sessions' lease epochs, one after another; the lease is left free."""
+    out = []
+    for i in range(n):
+        lease = Lease(r, job_id, f"trainer-{i}", 60)
+        assert lease.acquire()
+        out.append(lease.epoch)
+        lease.release()
+    return out
+
+
+def test_the_timeline_reads_the_session_index_not_the_whole_series(client, r):
+    """The ended sessions come from the index alone: with the series gone (say trimmed past
+    MAX_POINTS by a long job's step points) they are all still there."""
+    job_id = _job(client)
+    epochs = _epochs(r, job_id, 3)
+    for e, lags in zip(epochs, ([0, 1], [4], [2, 2, 2]), strict=True):
+        _session(r, job_id, e, lags=lags, end=True, first_step=0)
+    r.delete(keys.metrics(job_id))
+    got = client.get(f"/v1/jobs/{job_id}/bursts").json()
+    assert [(s["epoch"], s["status"], s["steps"]) for s in got["sessions"]] == [
+        (epochs[0], "ended", 2),
+        (epochs[1], "ended", 1),
+        (epochs[2], "ended", 3),
+    ]
+    assert r.xlen(keys.sessions(job_id)) == 6
+
+
+def test_a_job_from_before_the_session_index_still_has_its_timeline(client, r):
+    job_id = _job(client)
+    e1, e2 = _epochs(r, job_id, 2)
+    _session(r, job_id, e1, lags=[1, 1], end=True, first_step=0, indexed=False)
+    _session(r, job_id, e2, lags=[3], end=True, first_step=2, indexed=False)
+    assert not r.exists(keys.sessions(job_id))
+    got = client.get(f"/v1/jobs/{job_id}/bursts").json()
+    assert [(s["epoch"], s["steps"], s["lag_max"]) for s in got["sessions"]] == [(e1, 2, 1), (e2, 1, 3)]
 
 
 def test_a_job_without_sessions_has_an_empty_timeline_and_foreign_points_are_skipped(client, r):

@@ -251,9 +251,11 @@ def test_full_finetune_checkpoints_move_between_one_and_two_ranks(tmp_path, tiny
     w2 = load_file(str(tmp_path / "w2.st"))
     for k, v in w2.items():
         # AdamW (lr 1e-3) after a sharded step. Measured largest differences: 1.5e-8 (1 -> 2),
-        # 4.8e-7 (2 -> 1); a lost or misassigned optimizer state moves weights by ~lr.
-        assert torch.allclose(v, w1[k], rtol=0, atol=1e-5), (k, float((v - w1[k]).abs().max()))
-        assert torch.allclose(w3[k], w1[k], rtol=0, atol=1e-5), (k, float((w3[k] - w1[k]).abs().max()))
+        # 4.8e-7 and, on another build of the tiny model, 2.2e-5 (2 -> 1: Adam's first steps
+        # normalise each update, so an entry whose gradient is ~0 amplifies fp32 summation order
+        # toward lr). A lost or misassigned optimizer state moves weights by ~lr: bound lr / 5.
+        assert torch.allclose(v, w1[k], rtol=0, atol=2e-4), (k, float((v - w1[k]).abs().max()))
+        assert torch.allclose(w3[k], w1[k], rtol=0, atol=2e-4), (k, float((w3[k] - w1[k]).abs().max()))
 
 
 @pytest.mark.parametrize(

@@ -45,6 +45,7 @@ from shared.schema import encode
 from shared.store import MANIFEST
 from tests.support import ROOT
 from tests.support.trainer_resume import BATCH, JOB, STEPS, ZERO_VAR, Run, crash_before_ack, resume_groups
+from tests.support.waits import Deadline
 
 ATOL, MEAN_ATOL = 1e-4, 1e-6
 pytestmark = pytest.mark.slow  # torchrun sessions: minutes
@@ -99,10 +100,10 @@ def _torchrun(run: Run, redis_url: str, log: Path) -> subprocess.Popen:
 
 
 def _wait(proc: subprocess.Popen, log: Path, done, what: str, timeout: float = 400) -> None:  # noqa: ANN001
-    deadline = time.time() + timeout
+    deadline = Deadline(timeout)
     while not done():
         assert proc.poll() is None, f"torchrun exited {proc.returncode} before {what}:\n{log.read_text()[-4000:]}"
-        assert time.time() < deadline, f"no {what} within {timeout}s:\n{log.read_text()[-4000:]}"
+        assert deadline, f"no {what} within {timeout}s:\n{log.read_text()[-4000:]}"
         time.sleep(0.5)
 
 

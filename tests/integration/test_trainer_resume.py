@@ -32,6 +32,7 @@ from shared.metrics import read_ledger, read_points
 from shared.policy import version_prefix
 from shared.store import get_folder, put_folder
 from tests.support.trainer_resume import BATCH, JOB, STEPS, ZERO_VAR, Run, crash_before_ack
+from tests.support.waits import Deadline
 
 
 @pytest.fixture(scope="module")
@@ -375,10 +376,10 @@ def test_sigstopped_trainer_is_deposed_and_the_job_counts_each_group_once(r, tmp
             )
 
     def wait(pred, what: str, timeout: float = 240) -> None:  # noqa: ANN001
-        deadline = time.time() + timeout
+        deadline = Deadline(timeout)
         while not pred():
             assert all(p.poll() is None for p in procs.values()), {n: lg.read_text()[-2000:] for n, lg in logs.items()}
-            assert time.time() < deadline, f"timed out waiting for {what}: " + logs["a"].read_text()[-2000:]
+            assert deadline, f"timed out waiting for {what}: " + logs["a"].read_text()[-2000:]
             time.sleep(0.2)
 
     try:

@@ -7,3 +7,19 @@
 # 1.9e-6 under load. The bound below is 5x that; a real batching bug (padding attended to, a
 # shifted position, a wrong mask) moves log-probs by 0.1 nats or more, 1000x above it.
 FP32_LOGPROB_TOL = {"abs": 1e-4, "rel": 1e-5}
+
+# How far two fp32 gradients of the same loss may differ when only the summation order differs
+# (logits in chunks or whole, one rank or two), as a fraction of the tensor's largest entry, with
+# an absolute floor for a tensor that is all ~0. The worst seen on the locally built tiny model:
+# 1.03e-6 absolute on grads of magnitude <= 1 (chunked head; another build of the same recipe
+# was under 1e-6). A real bug (a token's gradient dropped or sent to the wrong position, a chunk
+# boundary off by one) changes gradients by a sizeable fraction of their magnitude.
+FP32_GRAD_TOL = {"rel_to_max": 1e-4, "abs": 1e-6}
+
+
+def assert_close_to_scale(got, want, what: str, tol: dict[str, float] = FP32_GRAD_TOL) -> None:  # noqa: ANN001
+    """max |got - want| <= max(abs, rel_to_max x max |want|), on torch tensors, in float64."""
+    scale = float(want.detach().abs().max()) if want.numel() else 0.0
+    worst = float((got.detach().double() - want.detach().double()).abs().max()) if want.numel() else 0.0
+    bound = max(tol["abs"], tol["rel_to_max"] * scale)
+    assert worst <= bound, f"{what}: max |diff| {worst:.3g} > {bound:.3g} (max |want| {scale:.3g})"

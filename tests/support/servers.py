@@ -12,12 +12,13 @@ from pathlib import Path
 import redis
 
 from services.cli.launch import free_port, port_open, terminate
+from tests.support.waits import Deadline
 
 
 def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 20) -> None:
-    deadline = time.time() + timeout
+    deadline = Deadline(timeout)
     while not port_open(port):
-        if proc.poll() is not None or time.time() > deadline:
+        if proc.poll() is not None or not deadline:
             raise RuntimeError(f"{what} did not start on port {port}")
         time.sleep(0.1)
 

@@ -14,14 +14,16 @@ import httpx
 from services.cli.launch import Launcher, free_port
 from services.cli.stack import stack_env
 from tests.support.servers import RedisServer
+from tests.support.waits import Deadline
 
 
 def wait_for(pred, timeout: float, what: str, launcher=None, poll_s: float = 0.5):  # noqa: ANN001
-    """Poll `pred` until it returns something truthy; on timeout fail with the services' log tails."""
+    """Poll `pred` until it returns something truthy; after `timeout` idle-machine seconds
+    (tests/support/waits.py) fail with the services' log tails."""
     from services.cli.launch import tail
 
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+    deadline = Deadline(timeout)
+    while deadline:
         got = pred()
         if got:
             return got

@@ -39,6 +39,7 @@ from shared.ml.chunked_logprobs import (
 )
 from shared.ml.logprobs import token_logprobs, token_logprobs_and_entropy
 from shared.ml.pass_tokens import ref_pass_tokens, trainer_pass_tokens
+from tests.support.numerics import FP32_LOGPROB_TOL, assert_close_to_scale
 
 TOL = 1e-6
 
@@ -289,9 +290,10 @@ def test_learner_step_is_the_same_for_any_chunk(tiny_model: Path) -> None:
 
     g_small, loss_small = run(3)
     g_one, loss_one = run(10_000)
-    assert loss_small == pytest.approx(loss_one, rel=1e-6, abs=1e-7)
+    # The locally built tiny model's weights differ from build to build: tolerances that hold for any.
+    assert loss_small == pytest.approx(loss_one, **FP32_LOGPROB_TOL)
     for a, c in zip(g_small, g_one, strict=True):
-        assert_equal_within(a, c, "learner grads")
+        assert_close_to_scale(a, c, "learner grads")
 
 
 def test_probe_and_ref_use_the_chunked_head(tiny_model: Path) -> None:
@@ -308,7 +310,7 @@ def test_probe_and_ref_use_the_chunked_head(tiny_model: Path) -> None:
     ids = torch.tensor([probe["token_ids"]])
     with torch.no_grad():
         ref = token_logprobs(model(input_ids=ids).logits[:, :-1], ids[:, 1:])[0]
-    assert_equal_within(torch.tensor(probe["logprobs"]), ref, "probe")
+    assert torch.tensor(probe["logprobs"]).tolist() == pytest.approx(ref.tolist(), **FP32_LOGPROB_TOL), "probe"
 
     seqs = [(tok("12+30=")["input_ids"], [5, 6, 7, 8]), (tok("7+5=")["input_ids"], [9, 10])]
     a = HFScorer(str(tiny_model), logits_chunk=1).score(seqs)
@@ -317,8 +319,8 @@ def test_probe_and_ref_use_the_chunked_head(tiny_model: Path) -> None:
         full = torch.tensor([p + c])
         with torch.no_grad():
             want = token_logprobs(model(input_ids=full).logits[:, :-1], full[:, 1:])[0, len(p) - 1 :]
-        assert_equal_within(torch.tensor(x), want, "ref chunk 1")
-        assert_equal_within(torch.tensor(y), want, "ref auto chunk")
+        assert x == pytest.approx(want.tolist(), **FP32_LOGPROB_TOL), "ref chunk 1"
+        assert y == pytest.approx(want.tolist(), **FP32_LOGPROB_TOL), "ref auto chunk"
 
 
 # -- sizes from the model's shape -----------------------------------------------------------
