@@ -277,6 +277,9 @@ class Spiller:
             )
         else:
             self.rt.health.set(name, True, scope="job")
+        # With the readiness check, not with the rate-limited series below: /readyz and /metrics
+        # must not disagree on whether the backlog is full (they did for up to POINT_EVERY_S).
+        self.m_full.labels(rec.id).set(0 if room > 0 else 1)
         if now - clock.point < POINT_EVERY_S:
             return
         clock.point = now
@@ -288,7 +291,6 @@ class Spiller:
         self.m_segments.labels(rec.id).set(s["segments"])
         self.m_age_v.labels(rec.id).set(s["oldest_versions"] or 0)
         self.m_age_h.labels(rec.id).set(s["oldest_hours"] or 0.0)
-        self.m_full.labels(rec.id).set(0 if room > 0 else 1)
         idle = self.rt.registry.get_sample_value("burstrl_rollout_idle_fraction")
         if idle is not None:
             self.rt.gauges["idle_frac"] = round(idle, 4)

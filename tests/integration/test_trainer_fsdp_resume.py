@@ -17,7 +17,8 @@ Tolerance, fp32: the sharded steps sum gradients in another order than one proce
 tests/integration/test_trainer_fsdp.py), and AdamW passes those differences on, most for the entries whose
 gradient is near zero (the update is m/sqrt(v): float noise there is lr-sized). Measured
 against the uninterrupted run: 2 -> 1 (3 sharded steps) max 1.7e-5, mean 6.4e-8; 1 -> 2 (1
-sharded step) max 6.0e-8, mean 2.3e-10. Asserted: max 1e-4 and mean 1e-6 over the adapter.
+sharded step) max 6.0e-8, mean 2.3e-10; on another build of the tiny model, max 3.6e-4 (2 -> 1).
+Asserted: max 1e-3 (lr / 5) and mean 1e-6 over the adapter.
 A group trained twice, or optimizer states lost or misassigned in the resharding, moves the
 weights by about lr = 5e-3 each (AdamW's step) and fails both.
 """
@@ -47,7 +48,7 @@ from tests.support import ROOT
 from tests.support.trainer_resume import BATCH, JOB, STEPS, ZERO_VAR, Run, crash_before_ack, resume_groups
 from tests.support.waits import Deadline
 
-ATOL, MEAN_ATOL = 1e-4, 1e-6
+ATOL, MEAN_ATOL = 1e-3, 1e-6
 pytestmark = pytest.mark.slow  # torchrun sessions: minutes
 
 
