@@ -26,10 +26,14 @@ MAX_SESSION_POINTS = 20_000  # per job: two per trainer session (hourly bursts f
 SESSION = "trainer_session"  # the source of session points
 
 
+def _append(r: redis.Redis, job_id: str, payload: bytes) -> bytes:
+    """Append an encoded point to the job's series; its stream id."""
+    return r.xadd(keys.metrics(job_id), {b"m": payload}, maxlen=MAX_POINTS, approximate=True)
+
+
 def record_point(r: redis.Redis, job_id: str, source: str, values: dict[str, Any]) -> str:
     """Append one point (flat JSON: source, at, then the values) to the job's series; its id."""
-    payload = encode_point(source, time.time(), values)
-    return r.xadd(keys.metrics(job_id), {b"m": payload}, maxlen=MAX_POINTS, approximate=True).decode()
+    return _append(r, job_id, encode_point(source, time.time(), values)).decode()
 
 
 def record_session_point(r: redis.Redis, job_id: str, values: dict[str, Any]) -> None:
@@ -39,7 +43,7 @@ def record_session_point(r: redis.Redis, job_id: str, values: dict[str, Any]) ->
     Two writes, not one script: a crash between them loses the point from the index only,
     and a session whose start point is missing still shows from its end point."""
     payload = encode_point(SESSION, time.time(), values)
-    mid = r.xadd(keys.metrics(job_id), {b"m": payload}, maxlen=MAX_POINTS, approximate=True)
+    mid = _append(r, job_id, payload)
     r.xadd(keys.sessions(job_id), {b"m": payload, b"metrics_id": mid}, maxlen=MAX_SESSION_POINTS, approximate=True)
 
 
@@ -47,10 +51,11 @@ def read_session_points(r: redis.Redis, job_id: str) -> list[dict[str, Any]]:
     """The job's session points, oldest first, each with `id`: its id in the series (the
     cursor `read_points(after=...)` takes for the steps since). A job whose trainer predates
     the index has its session points only in the series: read them there."""
-    if not r.exists(keys.sessions(job_id)):
+    entries = r.xrange(keys.sessions(job_id))
+    if not entries:
         return read_points(r, job_id, SESSION, with_ids=True)
     out = []
-    for sid, fields in r.xrange(keys.sessions(job_id)):
+    for sid, fields in entries:
         try:
             p = decode_point(fields[b"m"])
             mid = fields[b"metrics_id"].decode()
