@@ -11,7 +11,7 @@ from pathlib import Path
 
 DONE = "burstrl_ready.json"
 # Bump when the model or SFT recipe changes, so cached models are rebuilt.
-RECIPE = "arith-slip0-sft600x128-v2"
+RECIPE = "arith-slip0-sft600x128-1thread-v3"
 
 
 def ensure_tiny_model(out: Path, *, force: bool = False, log: Callable[[str], None] = print) -> Path:
@@ -50,6 +50,26 @@ def _build_once(
 
 
 @contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one intra-op thread while a model is built, then back to what it was.
+
+    The thread count changes how a matmul splits its sums, and 600 SFT steps amplify a last-bit
+    difference into a different model: the same recipe gave a distillation student whose KL to its
+    teacher fell to 0.51x in one build and 0.92x in another, depending on which test had left the
+    process at one thread before the build. On one thread a build is the same whatever ran before
+    and whatever the core count (and on a busy 2-core box, faster: no OpenMP threads spinning
+    against each other)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
 def _building(out: Path) -> Iterator[None]:
     """An exclusive lock beside `out` while it is built: `make demo` and test processes (or two
     pytest workers) may ask for the same model at once, and a half-built folder must not be
@@ -77,9 +97,10 @@ def _build(
     shutil.rmtree(base, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
     log(f"building the {what} in {base}")
-    build_model(base)
-    log(sft[0])
-    sft[1](base, out)
+    with one_thread():
+        build_model(base)
+        log(sft[0])
+        sft[1](base, out)
     shutil.rmtree(out / "_sft_run", ignore_errors=True)
     (out / DONE).write_text(json.dumps({"base": str(base), "recipe": recipe}))
     return out
@@ -109,7 +130,7 @@ def ensure_rg_model(out: Path, *, force: bool = False, log: Callable[[str], None
 
 # The teacher of the distillation test: the tiny SFT model trained further on clean demos
 # (the right sum, then EOS, every time), so it is much better than the student it starts from.
-TEACHER_RECIPE = "arith-teacher-clean300x128-v1"
+TEACHER_RECIPE = "arith-teacher-clean300x128-1thread-v2"
 
 
 def ensure_teacher_model(out: Path, student: Path, *, force: bool = False, log: Callable[[str], None] = print) -> Path:
@@ -129,7 +150,8 @@ def _build_teacher(out: Path, student: Path, want: dict[str, str], log: Callable
 
     shutil.rmtree(out, ignore_errors=True)
     log(f"building the distillation teacher in {out} (SFT of {student} on clean demonstrations)")
-    sft_warm_start(student, out, steps=300, batch_size=128, learning_rate=1e-3, seed=1, correct_fraction=1.0)
+    with one_thread():
+        sft_warm_start(student, out, steps=300, batch_size=128, learning_rate=1e-3, seed=1, correct_fraction=1.0)
     shutil.rmtree(out / "_sft_run", ignore_errors=True)
     (out / DONE).write_text(json.dumps(want))
     return out
@@ -138,7 +160,7 @@ def _build_teacher(out: Path, student: Path, want: dict[str, str], log: Callable
 # The long-completion model of the TRL comparison (bench/trl_compare.py --task countup): the
 # tiny architecture SFT'd on "countup" traces, a quarter of them stopping at a+b and the rest
 # one number late, so that, as with "arith", GRPO has to learn where to stop.
-COUNTUP_RECIPE = "countup-slip-sft600x128-v1"
+COUNTUP_RECIPE = "countup-slip-sft600x128-1thread-v2"
 
 
 def ensure_countup_model(out: Path, *, force: bool = False, log: Callable[[str], None] = print) -> Path:
@@ -223,8 +245,6 @@ def _sft_tool_use(
     the_task: Arith3Task = {"arith3": Arith3Task, "arith3py": Arith3PyTask}[task]()
     call_end = TOOL_CALL_ENDS[task]
     torch.manual_seed(seed)
-    # One thread: on a busy 2-core box, two OpenMP threads spin against each other (8x slower).
-    torch.set_num_threads(1)
     rng = random.Random(seed)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

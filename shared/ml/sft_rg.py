@@ -58,8 +58,6 @@ def sft_rg(
     from shared.ml.sft import masked_sft
 
     torch.manual_seed(seed)
-    # One thread: on a busy 2-core box, two OpenMP threads spin against each other.
-    torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     examples = rg_sft_examples(steps * batch_size, seed=seed)

@@ -23,14 +23,20 @@ from tests.support import ROOT
 from tests.support.stack import service_stack, wait_for
 
 ROLES = ["api", "reward", "ref", "rollout", "trainer"]
-STEPS = 14
+# lr 5e-4 over 28 steps, not 2e-3 over 14: the distillation advantage is an unnormalised log-ratio
+# (a slip token the teacher never emits scores about -15), so 2e-3 took a step ~10x a GRPO step's
+# size and diverged on some builds of the tiny model (the batch KL to the teacher jumped to 33
+# nats at step 3 and the held-out KL rose 7.50 -> 11.49; another build: 8.22 -> 7.53). Measured on
+# three builds (SFT seeds 0, 1, 2): held-out KL 0.64x, 0.30x, 0.34x of v0, greedy accuracy +0.51,
+# +0.81, +0.90, against the bounds below of 0.75x and +0.2.
+STEPS = 28
 JOB = {
     "name": "distill",
     "task": "arith",
     "group_size": 8,
     "batch_size": 8,
     "steps": STEPS,
-    "learning_rate": 2e-3,
+    "learning_rate": 5e-4,
     "max_staleness": 1,
     "eval_size": 0,  # judged offline below, on the whole held-out set
     "algorithm": {"advantage": "distill"},
@@ -88,8 +94,8 @@ def test_distillation_lowers_kl_and_raises_accuracy(tmp_path: Path, tiny_model: 
     before = held_out_measures(tiny_model, None, teacher_model)
     after = held_out_measures(tiny_model, fetch_adapter(tmp_path, job_id, STEPS), teacher_model)
     print(f"held-out: v0 {before}, v{STEPS} {after}")
-    # The student starts ~0.0 greedy (its slip is its mode); 14 steps of distillation moved it to
-    # 0.4-0.6 in the runs measured, and the KL to under half: margins well beyond run-to-run noise.
+    # The student starts ~0.0 greedy (its slip is its mode); 28 steps moved it to 0.51-0.90 on the
+    # three builds measured (see STEPS), and the KL to 0.30-0.64x of v0.
     assert after["kl"] < 0.75 * before["kl"], (before, after)
     assert after["greedy_accuracy"] > before["greedy_accuracy"] + 0.2, (before, after)
 

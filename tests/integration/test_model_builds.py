@@ -1,0 +1,53 @@
+"""A tiny model built from a recipe is the same model whatever the building process did before.
+
+Regression: the tiny SFT model and the distillation teacher were built inside the pytest process
+by whichever test first asked for them, on whatever torch thread count an earlier test had left
+(an SFT of a tool-use model set one thread and kept it). The thread count changes how a matmul
+splits its sums, SFT amplifies that into a different model, and test_distill passed on one build
+(KL to 0.51x) and failed on another (0.92x). Builds now run on one thread (models.one_thread).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from shared.ml.models import _build, one_thread
+from shared.ml.sft import sft_warm_start
+
+
+def _weights_digest(folder: Path) -> str:
+    return hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+
+
+def _short_build(out: Path) -> str:
+    # batch 128 as the real recipes: at 32 the matmuls are too small to be split across threads
+    sft = ("short SFT", lambda base, into: sft_warm_start(base, into, steps=10, batch_size=128))
+    _build(out, "test-recipe", what="test model", sft=sft, log=lambda _: None)
+    return _weights_digest(out)
+
+
+def test_a_build_does_not_depend_on_the_callers_thread_count(tmp_path: Path) -> None:
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        on_two = _short_build(tmp_path / "two")
+        assert torch.get_num_threads() == 2  # the build gave the caller its threads back
+        torch.set_num_threads(1)
+        on_one = _short_build(tmp_path / "one")
+    finally:
+        torch.set_num_threads(before)
+    assert on_two == on_one
+
+
+def test_one_thread_restores_the_count_on_error() -> None:
+    before = torch.get_num_threads()
+    try:
+        with one_thread():
+            assert torch.get_num_threads() == 1
+            raise RuntimeError("a failed build")
+    except RuntimeError:
+        pass
+    assert torch.get_num_threads() == before
