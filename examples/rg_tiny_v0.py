@@ -19,10 +19,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shared.domain.tasks import make_task
+from shared.ml.models import RG_MODEL_NAME
 from shared.task_spec import render_template
 
 MODEL = ".burstrl/models/tiny-sft"
-RG_MODEL = ".burstrl/models/tiny-sft-rg"
+RG_MODEL = f".burstrl/models/{RG_MODEL_NAME}"
 SMALL_SUM = {"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+"], "allow_parentheses": False}
 DEMO = tomllib.loads(Path("examples/demo_rg.toml").read_text())
 SHAPES = [

@@ -20,7 +20,7 @@ from services.cli.demo import plot
 from services.cli.follow import follow_job, print_summary
 from services.cli.launch import Launcher, free_port
 from services.cli.stack import stack_env
-from shared.ml.models import ensure_rg_model
+from shared.ml.models import RG_MODEL_NAME, ensure_rg_model
 
 ROLES = ["api", "reward", "ref", "rollout", "trainer"]
 
@@ -36,7 +36,7 @@ def main() -> None:
     spec = tomllib.loads(a.job.read_text())
     spec["steps"] = a.steps
     spec["base_model"] = str(Path(spec["base_model"]).resolve())
-    if Path(spec["base_model"]).name == "tiny-sft-rg":  # the demo's own model: built once, cached
+    if Path(spec["base_model"]).name == RG_MODEL_NAME:  # the demo's own model: built once, cached
         ensure_rg_model(Path(spec["base_model"]), log=console.print)
     a.home.mkdir(parents=True, exist_ok=True)
     launcher = Launcher(a.home / "run")

@@ -219,12 +219,15 @@ class ServiceRuntime:
 
     def run(self, tick: Callable[[], None], *, close: Callable[[], None] | None = None) -> None:
         """A service's main loop: `tick` under `survive` until stopped (SIGTERM), then `close`
-        (what the worker holds: an engine, scoring processes) and `shutdown`."""
-        while not self.stop.is_set():
-            self.survive(tick)
-        if close is not None:
-            close()
-        self.shutdown()
+        (what the worker holds: an engine, scoring processes) and `shutdown`, which runs even if
+        `close` raises: the replica's heartbeat and HTTP server must not outlive its worker."""
+        try:
+            while not self.stop.is_set():
+                self.survive(tick)
+            if close is not None:
+                close()
+        finally:
+            self.shutdown()
 
     def survive(self, fn: Callable[[], None], *, backoff_s: float = 1.0) -> None:
         """Run one worker iteration; on error, report it and back off instead of dying.

@@ -10,11 +10,13 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from shared.ml.models import RG_MODEL_NAME
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="burstrl: GRPO across always-on and burst hardware.")
 console = Console()
 HOME = Path(os.environ.get("BURSTRL_HOME", ".burstrl"))
 TINY = HOME / "models" / "tiny-sft"
-TINY_RG = HOME / "models" / "tiny-sft-rg"  # examples/demo_rg.toml's base_model
+TINY_RG = HOME / "models" / RG_MODEL_NAME
 
 
 def _api(url: str | None) -> str:

@@ -113,6 +113,7 @@ def _build(
 # stands alone, and nothing from burstrl's own arith data is in it. GRPO does not improve it
 # (README, "Tasks from reasoning-gym").
 RG_RECIPE = "rg-chain_sum-2to3x1digit-sft300x64-v1"
+RG_MODEL_NAME = "tiny-sft-rg"  # its folder under <home>/models: examples/demo_rg.toml's base_model
 
 
 def ensure_rg_model(out: Path, *, force: bool = False, log: Callable[[str], None] = print) -> Path:

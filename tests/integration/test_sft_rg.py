@@ -17,6 +17,7 @@ from shared.domain.tasks import make_task
 from shared.domain.tasks.base import ConfiguredTask
 from shared.job import JobSpec
 from shared.ml import sft_rg as sftmod
+from shared.ml.models import RG_MODEL_NAME
 from shared.ml.sft_rg import RG_ARGS, RG_TASK, RG_TEMPLATE, rg_sft_examples, sft_rg
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,7 +49,7 @@ def test_the_demo_job_is_the_task_the_model_was_sftd_on() -> None:
     assert spec["task"] == RG_TASK
     assert spec["task_spec"]["args"] == RG_ARGS
     assert spec["task_spec"]["template"] == RG_TEMPLATE
-    assert Path(spec["base_model"]).name == "tiny-sft-rg"
+    assert Path(spec["base_model"]).name == RG_MODEL_NAME
     JobSpec.model_validate(spec)
 
 
