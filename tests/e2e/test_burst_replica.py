@@ -18,6 +18,7 @@ import pytest
 from services.cli.launch import alive, free_port, tail
 from shared import keys
 from shared.ledger import audit
+from shared.policy import read_pointer
 from tests.support.stack import service_stack, wait_for
 
 pytestmark = pytest.mark.slow
@@ -50,7 +51,8 @@ def _consumers(client, stream: str, group: str) -> set[str]:
 
 
 def test_a_burst_replica_joins_adopts_and_leaves_cleanly_mid_job(tmp_path, tiny_model):
-    env = {"BURSTRL_DEV": "1", "BURSTRL_HEARTBEAT_S": "1"}
+    # The trainer's lease outlasts the freeze below (a frozen holder past its lease is deposed).
+    env = {"BURSTRL_DEV": "1", "BURSTRL_HEARTBEAT_S": "1", "BURSTRL_TRAINER_LEASE_S": "900"}
     with service_stack(tmp_path, tiny_model, ROLES, env_extra=env) as stack:
         api, launcher = stack.api, stack.launcher
         client = stack.redis.client()
@@ -78,8 +80,18 @@ def test_a_burst_replica_joins_adopts_and_leaves_cleanly_mid_job(tmp_path, tiny_
             return -1
 
         # Both sides sample: the burst replica produced groups and adopted a published version.
-        wait_for(lambda: burst_groups() > 0 and burst_version() >= 1, 600, "the burst replica to adopt v1", launcher)
-        assert status()["job"]["state"] == "running"
+        # The trainer is frozen (SIGSTOP) from its first publication until the replica has adopted
+        # it: on a quiet machine the 12 steps finished before the replica's first adoption, and
+        # the burst could not end mid-job (regression; the lease outlasts the freeze, see env).
+        wait_for(lambda: read_pointer(client, job_id) >= 1, 300, "the trainer to publish v1", launcher, 0.02)
+        trainer_pid = launcher.procs()["trainer"].pid
+        os.kill(trainer_pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: burst_version() >= 1, 600, "the burst replica to adopt v1", launcher)
+            assert status()["job"]["state"] == "running"
+        finally:
+            os.kill(trainer_pid, signal.SIGCONT)
+        wait_for(lambda: burst_groups() > 0, 300, "groups from the burst replica", launcher, 0.1)
         # The burst ends while the replica holds prompts (a round in flight).
         wait_for(
             lambda: _pending_to(client, prompts, keys.GROUP_ROLLOUT, BURST) > 0, 300, "a round in flight", None, 0.05

@@ -15,12 +15,14 @@ shard of one that 1 process wrote.
 
 Tolerance, fp32: the sharded steps sum gradients in another order than one process (see
 tests/integration/test_trainer_fsdp.py), and AdamW passes those differences on, most for the entries whose
-gradient is near zero (the update is m/sqrt(v): float noise there is lr-sized). Measured
-against the uninterrupted run: 2 -> 1 (3 sharded steps) max 1.7e-5, mean 6.4e-8; 1 -> 2 (1
-sharded step) max 6.0e-8, mean 2.3e-10; on another build of the tiny model, max 3.6e-4 (2 -> 1).
-Asserted: max 1e-3 (lr / 5) and mean 1e-6 over the adapter.
-A group trained twice, or optimizer states lost or misassigned in the resharding, moves the
-weights by about lr = 5e-3 each (AdamW's step) and fails both.
+gradient is near zero (the update is m/sqrt(v): float noise there is lr-sized). So no single entry
+has a bound that holds for any build of the tiny model (max 1.7e-5 on one build, 3.6e-4 on
+another, 1.2e-3 on the one-thread build); what noise cannot do is move many of them. Measured
+against the uninterrupted run, worst build: 2.6e-5 of the entries more than 1e-3 away, mean
+1.3e-6 (2 -> 1, 3 sharded steps); 1 -> 2: none, mean 4e-11. One extra AdamW step (what a group
+trained twice, or optimizer states lost or misassigned, costs) moves 67% of the entries more than
+1e-3 and the mean by 1.1e-3 (checkpoints 4 -> 5 of the same job). Asserted: under 1e-3 of the
+entries beyond 1e-3, and mean under 1e-5: 40x and 8x above the noise, 670x and 100x below a step.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from tests.support import ROOT
 from tests.support.trainer_resume import BATCH, JOB, STEPS, ZERO_VAR, Run, crash_before_ack, resume_groups
 from tests.support.waits import Deadline
 
-ATOL, MEAN_ATOL = 1e-3, 1e-6
+FAR, FAR_SHARE, MEAN_ATOL = 1e-3, 1e-3, 1e-5
 pytestmark = pytest.mark.slow  # torchrun sessions: minutes
 
 
@@ -124,10 +126,13 @@ def _stop(proc: subprocess.Popen, log: Path) -> None:
 def _close_to(got: tuple[dict[str, torch.Tensor], float], want: tuple[dict[str, torch.Tensor], float]) -> None:
     (a, lr_a), (b, lr_b) = got, want
     assert a.keys() == b.keys()
-    for k in a:
-        assert torch.allclose(a[k], b[k], rtol=0, atol=ATOL), (k, float((a[k] - b[k]).abs().max()))
-    mean = float(sum((a[k] - b[k]).abs().sum() for k in a) / sum(a[k].numel() for k in a))
-    assert mean < MEAN_ATOL, mean
+    n = sum(a[k].numel() for k in a)
+    far = sum(int(((a[k] - b[k]).abs() > FAR).sum()) for k in a) / n
+    mean = float(sum((a[k] - b[k]).abs().sum() for k in a) / n)
+    worst = max((float((a[k] - b[k]).abs().max()), k) for k in a)
+    print(f"adapter vs uninterrupted run: {far:.2e} of entries beyond {FAR}, mean {mean:.2e}, max {worst}")
+    assert far < FAR_SHARE, (far, worst)
+    assert mean < MEAN_ATOL, (mean, worst)
     assert lr_a == pytest.approx(lr_b)  # the scheduler neither skipped nor double-stepped
 
 
