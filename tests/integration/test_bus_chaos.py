@@ -24,6 +24,7 @@ from shared.bus import FIELD, Bus
 from shared.ledger import audit
 from shared.metrics import read_ledger
 from tests.support.servers import RedisServer
+from tests.support.waits import Deadline
 
 STAGE = Path(__file__).resolve().parents[1] / "support" / "chaos_stage.py"
 _SEQ = itertools.count()
@@ -48,9 +49,9 @@ def _kill(*procs: subprocess.Popen) -> None:
 
 
 def _wait(pred, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
+    deadline = Deadline(timeout)
     while not pred():
-        if time.time() > deadline:
+        if not deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.1)
 

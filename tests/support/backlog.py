@@ -21,6 +21,7 @@ from shared.schema import Completion, GroupMsg, decode, encode, pack_f32, pack_i
 from shared.service import ServiceRuntime
 from shared.settings import CommonSettings
 from shared.store import ObjectStore
+from tests.support.waits import Deadline
 
 
 def spec(base_model: str = "tiny", *, batch: int = 4, group: int = 4, steps: int = 100, **backlog: object) -> JobSpec:
@@ -102,15 +103,15 @@ class Drain:
     def take(self, need: int, *, first: bool = False, timeout: float = 60) -> list[tuple[object, GroupMsg]]:
         """Exactly `need` groups (a read returns fewer while a segment is still being fetched)."""
         out: list[tuple[object, GroupMsg]] = []
-        deadline = time.time() + timeout
-        while len(out) < need and time.time() < deadline:
+        deadline = Deadline(timeout)
+        while len(out) < need and deadline:
             out += self.src.decode(self.src.read(need - len(out), first))
         return out
 
     def all(self, expect: int, timeout: float = 60) -> list[str]:
         """Take and acknowledge (as trained) until `expect` groups came, in the order they came."""
-        deadline = time.time() + timeout
-        while len(self.trained) < expect and time.time() < deadline:
+        deadline = Deadline(timeout)
+        while len(self.trained) < expect and deadline:
             items = self.src.decode(self.src.read(expect - len(self.trained), False))
             if items:
                 self.src.ack([ref for ref, _ in items], "trained")

@@ -21,6 +21,7 @@ from shared.job import JobRecord, JobSpec, JobState, insert_job
 from shared.lease import Lease
 from shared.policy import MANIFEST, Manifest, advance_pointer, init_pointer, publish_version, version_prefix
 from shared.store import FileStore, ObjectStore
+from tests.support.waits import Deadline
 
 if TYPE_CHECKING:
     from services.rollout.engine import Engine
@@ -168,8 +169,8 @@ def start_vllm_server(model: str, port: int, log: Path, *extra: str) -> subproce
 
 
 def wait_vllm_server(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+    deadline = Deadline(timeout)
+    while deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"vLLM server exited:\n{log.read_text(errors='replace')[-3000:]}")
         try:
@@ -248,8 +249,8 @@ def rollout_service(workdir: Path, redis_url: str, model: str, **env: str) -> It
 
 def engine_not_ready(port: int, reason: str, timeout: float, log: Path) -> dict:
     """The rollout service's /readyz body once it answers 503 with `reason` in its engine check."""
-    deadline, body = time.time() + timeout, None
-    while time.time() < deadline:
+    deadline, body = Deadline(timeout), None
+    while deadline:
         try:
             resp = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2)
             body = resp.json()
