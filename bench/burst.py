@@ -489,8 +489,14 @@ def report(cmd: str, a: argparse.Namespace, res: dict[str, Any]) -> str:
         lines.append("")
     lines += [f"- {n}" for n in res.get("notes", [])]
     lines += ["", *reading(res), ""]
-    lines += ["", "Plot: docs/bench/burst.png (held-out accuracy against billable seconds).", ""]
+    lines += ["", f"Plot: {_shown(a.out.with_suffix('.png'))} (held-out accuracy against billable seconds).", ""]
     return "\n".join(lines) + "\n"
+
+
+def _shown(path: Path) -> str:
+    """`path` as the page names it: from the repository root when it is inside it."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def reading(res: dict[str, Any]) -> list[str]:
@@ -508,23 +514,28 @@ def reading(res: dict[str, Any]) -> list[str]:
                 f"{max(p['staleness_max'] for p in pts)}); at lag >= 16 the median M2 was "
                 f"{fmt(m2, nd=2)} (M2PO's tau 0.04) and the masked token fraction {fmt(mask, nd=2)}."
             )
-    out.append(
-        "- On this tiny model at lr 1e-3 one step moves the policy far: the batch M2 is ~10x M2PO's tau at a "
-        "lag of 6-8 versions (the lag table's M2 column; the paper's stable 256-version staleness is on 1.7B-32B "
-        "models). truncated IS (cap 2) leaves such stale tokens in and the policy collapses; M2PO masks them "
-        "and degrades slowly instead, but neither learns from 50-100-version-old groups here."
-    )
-    out.append(
-        "- The planner check: with these rates the backlog outlasts each window (the trainer drained it once, "
-        "in one window of the truncated-IS run), so the planner predicts 'window' (billable = the window) and the "
-        "measured share adds the trainer's shutdown (SIGTERM, checkpoint, exit). This exercises the model's "
-        "window branch, not its drain branch."
-    )
-    out.append(
-        "- TRL pays its start-up (spawn to training, model load included) in every window it trains in and generates "
-        "on the rented side itself; its steps here ran at the shared box's load of the moment (run once, after "
-        "the stack)."
-    )
+    setups = {x["setup"] for x in res["runs"]}
+    # The bullets below read the lag table, the truncated-IS run and TRL's run: only with those in this run.
+    if res.get("lag"):
+        out.append(
+            "- On this tiny model at lr 1e-3 one step moves the policy far: the batch M2 is ~10x M2PO's tau at a "
+            "lag of 6-8 versions (the lag table's M2 column; the paper's stable 256-version staleness is on 1.7B-32B "
+            "models). truncated IS (cap 2) leaves such stale tokens in and the policy collapses; M2PO masks them "
+            "and degrades slowly instead, but neither learns from 50-100-version-old groups here."
+        )
+    if "tis" in setups:
+        out.append(
+            "- The planner check: with these rates the backlog outlasts each window (the trainer drained it once, "
+            "in one window of the truncated-IS run), so the planner predicts 'window' (billable = the window) and the "
+            "measured share adds the trainer's shutdown (SIGTERM, checkpoint, exit). This exercises the model's "
+            "window branch, not its drain branch."
+        )
+    if "trl" in setups:
+        out.append(
+            "- TRL pays its start-up (spawn to training, model load included) in every window it trains in and generates "
+            "on the rented side itself; its steps here ran at the shared box's load of the moment (run once, after "
+            "the stack)."
+        )
     return out
 
 
