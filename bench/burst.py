@@ -71,6 +71,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.backlog import BACKLOG  # noqa: E402
+from bench.output import repo_path  # noqa: E402
 from bench.pipeline import MODEL, Stack, submit  # noqa: E402
 from bench.trl_compare import BATCH, G, evaluate_versions, trl_subprocess  # noqa: E402
 from services.plan.billable import accuracy_at, billable_at, session_intervals, time_to, union, windows_billable  # noqa: E402
@@ -489,14 +490,8 @@ def report(cmd: str, a: argparse.Namespace, res: dict[str, Any]) -> str:
         lines.append("")
     lines += [f"- {n}" for n in res.get("notes", [])]
     lines += ["", *reading(res), ""]
-    lines += ["", f"Plot: {_shown(a.out.with_suffix('.png'))} (held-out accuracy against billable seconds).", ""]
+    lines += ["", f"Plot: {repo_path(a.out.with_suffix('.png'))} (held-out accuracy against billable seconds).", ""]
     return "\n".join(lines) + "\n"
-
-
-def _shown(path: Path) -> str:
-    """`path` as the page names it: from the repository root when it is inside it."""
-    path = path.resolve()
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def reading(res: dict[str, Any]) -> list[str]:

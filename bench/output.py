@@ -17,3 +17,10 @@ def emit(text: str, out: Path | None, data: Any = None) -> None:
         out.write_text(text)
         if data is not None:
             out.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str))
+
+
+def repo_path(path: Path) -> Path:
+    """`path` as a page names it: from the repository root when it is inside it."""
+    root = Path(__file__).resolve().parents[1]
+    path = path.resolve()
+    return path.relative_to(root) if path.is_relative_to(root) else path

@@ -27,6 +27,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.output import repo_path  # noqa: E402
+
 PY = ".venv/bin/python"
 # The countup workload's threshold: its SFT model starts near 0.21 held-out and 30 steps at lr 5e-4
 # take it to ~0.5 (bench/trl_compare.py --task countup --steps 30), so 0.45 is reached late in the run.
@@ -359,7 +362,7 @@ def main() -> None:
     out = a.out.resolve()
     b = out.parent / "bench"
     b.mkdir(parents=True, exist_ok=True)
-    rel = b.relative_to(ROOT) if b.is_relative_to(ROOT) else b
+    rel = repo_path(b)
     only = set(filter(None, a.only.split(",")))
     header = machine()
     sections, timings = [], []

@@ -73,12 +73,14 @@ def one_thread() -> Iterator[None]:
 def _building(out: Path) -> Iterator[None]:
     """An exclusive lock beside `out` while it is built: `make demo` and test processes (or two
     pytest workers) may ask for the same model at once, and a half-built folder must not be
-    read or built twice. flock is released by the kernel if the builder dies."""
+    read or built twice. flock is released by the kernel if the builder dies. Every build runs in
+    here, so every build runs on one thread (one_thread)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
-            yield
+            with one_thread():
+                yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
@@ -97,10 +99,9 @@ def _build(
     shutil.rmtree(base, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
     log(f"building the {what} in {base}")
-    with one_thread():
-        build_model(base)
-        log(sft[0])
-        sft[1](base, out)
+    build_model(base)
+    log(sft[0])
+    sft[1](base, out)
     shutil.rmtree(out / "_sft_run", ignore_errors=True)
     (out / DONE).write_text(json.dumps({"base": str(base), "recipe": recipe}))
     return out
@@ -151,8 +152,7 @@ def _build_teacher(out: Path, student: Path, want: dict[str, str], log: Callable
 
     shutil.rmtree(out, ignore_errors=True)
     log(f"building the distillation teacher in {out} (SFT of {student} on clean demonstrations)")
-    with one_thread():
-        sft_warm_start(student, out, steps=300, batch_size=128, learning_rate=1e-3, seed=1, correct_fraction=1.0)
+    sft_warm_start(student, out, steps=300, batch_size=128, learning_rate=1e-3, seed=1, correct_fraction=1.0)
     shutil.rmtree(out / "_sft_run", ignore_errors=True)
     (out / DONE).write_text(json.dumps(want))
     return out

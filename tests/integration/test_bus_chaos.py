@@ -7,6 +7,7 @@ to what the streams physically hold.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -24,7 +25,7 @@ from shared.bus import FIELD, Bus
 from shared.ledger import audit
 from shared.metrics import read_ledger
 from tests.support.servers import RedisServer
-from tests.support.waits import Deadline
+from tests.support.stack import wait_for
 
 STAGE = Path(__file__).resolve().parents[1] / "support" / "chaos_stage.py"
 _SEQ = itertools.count()
@@ -48,12 +49,7 @@ def _kill(*procs: subprocess.Popen) -> None:
             p.wait()
 
 
-def _wait(pred, timeout: float, what: str) -> None:
-    deadline = Deadline(timeout)
-    while not pred():
-        if not deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
+_wait = functools.partial(wait_for, poll_s=0.1)  # (pred, timeout, what): the harness's load-stretched wait
 
 
 def _pipeline(url: str, job: str, ckpt: Path, total: int, skip: str = "") -> list[subprocess.Popen]:

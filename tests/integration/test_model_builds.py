@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from shared.ml.models import _build, one_thread
+from shared.ml.models import _build_once, one_thread
 from shared.ml.sft import sft_warm_start
 
 
@@ -25,7 +25,7 @@ def _weights_digest(folder: Path) -> str:
 def _short_build(out: Path) -> str:
     # batch 128 as the real recipes: at 32 the matmuls are too small to be split across threads
     sft = ("short SFT", lambda base, into: sft_warm_start(base, into, steps=10, batch_size=128))
-    _build(out, "test-recipe", what="test model", sft=sft, log=lambda _: None)
+    _build_once(out, "test-recipe", what="test model", sft=sft, force=False, log=lambda _: None)
     return _weights_digest(out)
 
 

@@ -126,10 +126,11 @@ def _stop(proc: subprocess.Popen, log: Path) -> None:
 def _close_to(got: tuple[dict[str, torch.Tensor], float], want: tuple[dict[str, torch.Tensor], float]) -> None:
     (a, lr_a), (b, lr_b) = got, want
     assert a.keys() == b.keys()
-    n = sum(a[k].numel() for k in a)
-    far = sum(int(((a[k] - b[k]).abs() > FAR).sum()) for k in a) / n
-    mean = float(sum((a[k] - b[k]).abs().sum() for k in a) / n)
-    worst = max((float((a[k] - b[k]).abs().max()), k) for k in a)
+    diff = {k: (a[k] - b[k]).abs() for k in a}
+    n = sum(d.numel() for d in diff.values())
+    far = sum(int((d > FAR).sum()) for d in diff.values()) / n
+    mean = float(sum(d.sum() for d in diff.values()) / n)
+    worst = max((float(d.max()), k) for k, d in diff.items())
     print(f"adapter vs uninterrupted run: {far:.2e} of entries beyond {FAR}, mean {mean:.2e}, max {worst}")
     assert far < FAR_SHARE, (far, worst)
     assert mean < MEAN_ATOL, (mean, worst)
