@@ -57,9 +57,9 @@ def one_thread() -> Iterator[None]:
     difference into a different model: the same recipe gave a distillation student whose KL to its
     teacher fell to 0.51x in one build and 0.92x in another, depending on which test had left the
     process at one thread before the build. On one thread a build is the same whatever ran before
-    and whatever the core count, on one CPU type (another ISA picks other kernels: an AMD EPYC
-    and an Intel Xeon build different rg models); and on a busy 2-core box, faster (no OpenMP threads spinning
-    against each other)."""
+    and whatever the core count, on one CPU type (another ISA may pick other kernels: the rg model
+    built on this Intel Xeon is not the one an earlier box built); and on a busy 2-core box, faster
+    (no OpenMP threads spinning against each other)."""
     import torch
 
     before = torch.get_num_threads()
