@@ -14,6 +14,8 @@ import dataclasses
 import json
 import logging
 import multiprocessing
+import os
+import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -62,7 +64,28 @@ def group_work(
 
 def _init_worker(plugins: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s score-w %(levelname)-5s %(name)s: %(message)s")
+    _exit_with_parent(os.getppid())
     load_plugins(plugins)
+
+
+PARENT_POLL_S = 1.0
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Leave when the service that started this worker is gone.
+
+    A worker of a SIGKILLed service (kill -9, the OOM killer) never learns it from its pool: it
+    holds the call queue's write end itself, so its read never sees EOF, and it waited forever,
+    reparented to init (three such processes outlived every `make test`). When the parent dies
+    the worker is reparented, so a changed getppid() is the signal; PR_SET_PDEATHSIG is not used
+    because it fires when the parent *thread* that spawned the worker exits, not the process."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def score_json(payload: str) -> str:
