@@ -5,6 +5,7 @@ Run as a separate process, as `make bench` runs them; tests never import bench/ 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -29,3 +30,27 @@ sys.exit(1 if failed else 0)
 def test_every_bench_script_loads():
     proc = subprocess.run([sys.executable, "-c", LOAD_ALL], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+
+
+# One second of CPU in a child, however long that takes on a busy box.
+BURN = "import time\nwhile time.process_time() < 1.0: pass"
+
+
+def test_cpu_profile_counts_the_commands_processes(tmp_path):
+    out = tmp_path / "cpu.json"
+    cmd = [sys.executable, "bench/cpu_profile.py", "--interval", "0.05", "--out", str(out), "--"]
+    proc = subprocess.run([*cmd, sys.executable, "-c", BURN], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| processes | CPU min |" in proc.stderr
+    got = json.loads(out.read_text())
+    burner = [p for p in got["processes"].values() if "process_time" in p["cmd"] and "cpu_profile" not in p["cmd"]]
+    assert len(burner) == 1
+    assert 0.5 <= burner[0]["cpu"] - burner[0]["cpu0"] <= 1.5  # at most one 0.05 s interval is missed
+
+
+def test_cpu_profile_passes_on_the_commands_exit_code_and_refuses_no_command():
+    cmd = [sys.executable, "bench/cpu_profile.py", "--"]
+    failed = subprocess.run([*cmd, sys.executable, "-c", "raise SystemExit(3)"], cwd=ROOT, capture_output=True)
+    assert failed.returncode == 3
+    none = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert none.returncode == 2 and "give the command" in none.stderr
