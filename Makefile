@@ -47,11 +47,13 @@ export OMP_WAIT_POLICY ?= PASSIVE
 demo: $(STAMP)
 	$(BIN)/burstrl demo
 
-# TEST_WORKERS=2 runs two pytest workers, one test file each at a time (module fixtures such as a
-# vLLM engine stay in one process), slow end-to-end files first: 10.6-13 min instead of 25+ on 2
-# cores, since much of the suite waits on processes starting and services polling. Off by default:
-# in one run of three, four end-to-end tests timed out with two stacks running at once.
-TEST_WORKERS ?= 0
+# Two pytest workers by default, one test file each at a time (module fixtures such as a vLLM
+# engine stay in one process), slow end-to-end files first. On a fresh clone the tiny models are
+# built inside the tests on one thread each (shared/ml/threads.py), so one worker leaves a core
+# idle while a build runs: on this 2-core box the suite took 32.2 min serially and 19.0 min with
+# two workers (fresh clone, both measured 2026-12-02); with the models cached 16.9 min on two.
+# TEST_WORKERS=0 runs it serially in one process.
+TEST_WORKERS ?= 2
 TEST_ORDER := tests/e2e tests/integration tests/unit
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
