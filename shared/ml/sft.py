@@ -23,7 +23,7 @@ def sft_warm_start(
     out_dir: Path,
     *,
     task_name: str = "arith",
-    # Recipe (~70 s of training on the one thread models.one_thread builds on): long enough that the model gets
+    # Recipe (~70 s of training on the one thread threads.one_thread builds on): long enough that the model gets
     # the sum itself right (~80-90% greedy on held-out) while only 25% of the demos stop
     # after it, so v0 is ~20% sampled / ~0% greedy and GRPO only has to drop the slip.
     steps: int = 600,

@@ -4,7 +4,7 @@ Regression: the tiny SFT model and the distillation teacher were built inside th
 by whichever test first asked for them, on whatever torch thread count an earlier test had left
 (an SFT of a tool-use model set one thread and kept it). The thread count changes how a matmul
 splits its sums, SFT amplifies that into a different model, and test_distill passed on one build
-(KL to 0.51x) and failed on another (0.92x). Builds now run on one thread (models.one_thread).
+(KL to 0.51x) and failed on another (0.92x). Builds now run on one thread (shared/ml/threads.one_thread).
 """
 
 from __future__ import annotations
