@@ -50,7 +50,7 @@ demo: $(STAMP)
 # Two pytest workers by default, one test file each at a time (module fixtures such as a vLLM
 # engine stay in one process), slow end-to-end files first. On a fresh clone the tiny models are
 # built inside the tests on one thread each (shared/ml/threads.py), so one worker leaves a core
-# idle while a build runs: on this 2-core box the suite took 32.2 min serially and 19.0 min with
+# idle while a build runs: on this 2-core box the suite took 32.2 min serially and 18.9 min with
 # two workers (fresh clone, both measured 2026-12-02); with the models cached 16.9 min on two.
 # TEST_WORKERS=0 runs it serially in one process.
 TEST_WORKERS ?= 2
