@@ -105,6 +105,10 @@ SETUPS: dict[str, dict[str, Any]] = {
     # ledger's dropped_age) instead of trained. Fixed before the run that measured it.
     "m2po_limit": {"backlog": {**BACKLOG, "max_age_versions": STALENESS_LIMIT}, "algorithm": {"mismatch": "m2po"}},
 }
+# Derived from SETUPS, so a new setup joins the rates, targets and readings that apply to it.
+BACKLOG_SETUPS = tuple(s for s, spec in SETUPS.items() if "backlog" in spec)  # + the lag readings
+RATE_SETUPS = tuple(s for s in BACKLOG_SETUPS if s != "replica")  # one rollout: its rate, the planner's check
+M2PO_SETUPS = tuple(s for s in RATE_SETUPS if SETUPS[s]["algorithm"]["mismatch"] == "m2po")  # the issue's targets
 LABEL = {
     "windowed": "windowed (no backlog)",
     "tis": "backlog + truncated IS",
@@ -238,6 +242,7 @@ def burst_run(stack: Stack, setup: str, a: argparse.Namespace) -> dict[str, Any]
     sessions = [p for p in read_session_points(r, job_id) if p.get("event") == "end"]
     made = [p for p in read_points(r, job_id, "rollout") if t0 <= p["at"] <= t1]
     billed = union(trainer_iv + replica_iv)
+    ledger = read_ledger(r, job_id)
     keep = ("step", "at", "groups", "wait_s", "train_s", "publish_s", "checkpoint_s", "staleness_mean")
     keep += ("staleness_max", "m2", "mask_frac", "clip_frac", "ess")
     return {
@@ -253,8 +258,8 @@ def burst_run(stack: Stack, setup: str, a: argparse.Namespace) -> dict[str, Any]
         "sessions": sessions,
         "points": [{k: p.get(k) for k in keep} for p in points],
         "groups_made": sum(int(p["groups"]) for p in made),
-        "trained": read_ledger(r, job_id).get("trained", 0),
-        "dropped_age": read_ledger(r, job_id).get("dropped_age", 0),
+        "trained": ledger.get("trained", 0),
+        "dropped_age": ledger.get("dropped_age", 0),
         "version_billable": {p["step"]: billable_at(p["at"], billed) for p in points},
     }
 
@@ -323,7 +328,7 @@ def eval_versions(versions: list[int], also: tuple[int, ...] = ()) -> list[int]:
 
 def rates(runs: list[dict[str, Any]]) -> dict[str, float]:
     """Trainer and rollout groups/s measured in the backlog runs (no replica), and start-up seconds."""
-    bl = [x for x in runs if x["setup"] in ("tis", "m2po", "m2po_limit")]
+    bl = [x for x in runs if x["setup"] in RATE_SETUPS]
     steps = []
     for x in bl:
         for a, b in x["trainer_intervals"]:
@@ -418,7 +423,7 @@ def report(cmd: str, a: argparse.Namespace, res: dict[str, Any]) -> str:
         )
     # Targets.
     tg = []
-    for key in ("m2po", "m2po_limit"):
+    for key in M2PO_SETUPS:
         m = by.get(key)
         if not m:
             continue
@@ -462,7 +467,7 @@ def report(cmd: str, a: argparse.Namespace, res: dict[str, Any]) -> str:
         "| setup | predicted share | limited by | measured share | predicted / measured | within ±25% |",
         "|---|---|---|---|---|---|",
     ]
-    for s in ("tis", "m2po", "m2po_limit"):
+    for s in RATE_SETUPS:
         x = by.get(s)
         if not x or math.isnan(rt["k"]):
             continue
@@ -509,7 +514,7 @@ def reading(res: dict[str, Any]) -> list[str]:
     """How to read the numbers: what the lag and the masking did, from this run's points."""
     out = ["How to read it:", ""]
     for x in res["runs"]:
-        if x["setup"] in ("tis", "m2po", "replica", "m2po_limit") and x["points"]:
+        if x["setup"] in BACKLOG_SETUPS and x["points"]:
             pts = x["points"]
             late = [p for p in pts if p["staleness_mean"] >= 16]
             m2 = statistics.median(p["m2"] for p in late) if late else None
@@ -520,7 +525,6 @@ def reading(res: dict[str, Any]) -> list[str]:
                 f"{max(p['staleness_max'] for p in pts)}); at lag >= 16 the median M2 was "
                 f"{fmt(m2, nd=2)} (M2PO's tau 0.04) and the masked token fraction {fmt(mask, nd=2)}."
             )
-    for x in res["runs"]:
         if x["setup"] == "m2po_limit":
             out.append(
                 f"- {LABEL['m2po_limit']}: groups more than {STALENESS_LIMIT} versions behind the trainer are dropped "

@@ -42,4 +42,4 @@ def one_thread() -> Iterator[None]:
         set_threads(1)
         yield
     finally:
-        torch._C.set_num_threads(before)
+        set_threads(before)

@@ -12,10 +12,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 from tests.support import ROOT
-from tests.support.waits import Deadline
+from tests.support.stack import wait_for
 
 # A service stand-in: a Scorer's pool started, the pids of its workers and of multiprocessing's
 # resource tracker on stdout, then it waits.
@@ -55,11 +54,12 @@ def test_workers_of_a_sigkilled_service_exit() -> None:
         assert all(_alive(p) for p in workers)
         proc.kill()  # the service only, as kill -9 <pid> does: its workers are not signalled
         proc.wait(timeout=30)
-        deadline = Deadline(30)
-        while deadline and any(_alive(p) for p in workers):
-            time.sleep(0.2)
-        left = [p for p in workers if _alive(p)]
-        assert not left, f"scoring pool processes {left} outlived their SIGKILLed service"
+        wait_for(
+            lambda: not any(_alive(p) for p in workers),
+            30,
+            "the SIGKILLed service's pool processes to exit",
+            poll_s=0.2,
+        )
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group (the workers, the tracker)
