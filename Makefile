@@ -55,7 +55,9 @@ demo: $(STAMP)
 # TEST_WORKERS=0 runs it serially in one process.
 TEST_WORKERS ?= 2
 TEST_ORDER := tests/e2e tests/integration tests/unit
-XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+# --no-loadscope-reorder: xdist otherwise hands out files by test count, most first, which puts
+# the slow end-to-end files (few tests each) last and leaves one worker idle at the end.
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=25 $(XDIST) $(TEST_ORDER)

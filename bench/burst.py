@@ -29,8 +29,10 @@ trainer's own "trainer_session" points (process start to leaving the job) are re
   docs/bench/trl.md), the same hyperparameters, run once after the stack is stopped, all its time
   billable: its measured start-up (spawn to training, model load included) is paid again in every
   window it needs (`windows_billable`: it has no backlog, so it can only train inside windows).
-With a backlog the trainer leaves a window early once the backlog is drained (a step waited over
-DRAIN_WAIT_S for its batch), as the planner's model has it; the windowed trainer never drains.
+With a backlog the trainer leaves a window by itself once the backlog is drained (the product's
+`--leave-when-idle`: BURSTRL_TRAINER_LEAVE_WHEN_IDLE_S = LEAVE_IDLE_S, no batch for that long
+and no segment left: it checkpoints and exits 0), as the planner's model has it; the windowed
+trainer never drains and is stopped (SIGTERM) at the window's end.
 
 Held-out accuracy: one evaluator for every side, off every clock (bench/trl_compare.py's
 `heldout_accuracy`: 64 held-out prompts x 4 samples at T 1, HF generate, seeded per version),
@@ -44,7 +46,8 @@ resumed; rollout (its quota lifted) keeps the window full, so batches are up to 
 (the measured mean lag is in the table). truncated IS against M2PO, final held-out accuracy.
 
 **The planner**: `services.plan.bursts.predict_bursts` with this run's measured rollout and
-trainer rates, start-up (process start to the first step's start, median) and duty cycle; its
+trainer rates, start-up (process start to the first step's start, median), teardown (the last
+step's end to the process reaped, median over the drained sessions) and duty cycle; its
 billable share against the measured billable seconds / wall seconds.
 
     .venv/bin/python bench/burst.py [--full] [--setups windowed,tis,m2po,m2po_limit,replica,trl] [--out docs/bench/burst.md]
@@ -76,6 +79,7 @@ from bench.backlog import BACKLOG  # noqa: E402
 from bench.output import repo_path  # noqa: E402
 from bench.pipeline import MODEL, Stack, submit  # noqa: E402
 from bench.trl_compare import BATCH, G, evaluate_versions, trl_subprocess  # noqa: E402
+from services.cli.launch import alive  # noqa: E402
 from services.plan.billable import accuracy_at, billable_at, session_intervals, time_to, union, windows_billable  # noqa: E402
 from shared.metrics import read_ledger, read_points, read_session_points  # noqa: E402
 
@@ -117,7 +121,7 @@ LABEL = {
     "m2po_limit": f"backlog + M2PO, staleness limit {STALENESS_LIMIT}",
     "trl": "TRL GRPOTrainer in bursts",
 }
-DRAIN_WAIT_S = 0.3  # a step that waited this long for its batch: the backlog is drained
+LEAVE_IDLE_S = 2.0  # the backlog trainers' --leave-when-idle: no batch for this long, none left
 # Every EVAL_EVERY-th version up to EVAL_DENSE, then EVAL_SPARSE evenly spaced (one evaluation
 # takes ~10 s on this shared box at load ~12).
 EVAL_EVERY, EVAL_DENSE, EVAL_SPARSE = 2, 24, 4
@@ -188,11 +192,6 @@ def _stop(stack: Stack, name: str) -> float:
     return time.time()
 
 
-def _drained(points: list[dict[str, Any]]) -> bool:
-    """The trainer waited for its last batch (not the session's first): the backlog is empty."""
-    return len(points) >= 2 and points[-1]["wait_s"] >= DRAIN_WAIT_S
-
-
 def burst_run(stack: Stack, setup: str, a: argparse.Namespace) -> dict[str, Any]:
     job_id = submit(stack, {**JOB, **SETUPS[setup], "name": f"burst-{setup.replace('_', '-')}"})  # names: [a-z0-9-]
     r = stack.r
@@ -205,7 +204,8 @@ def burst_run(stack: Stack, setup: str, a: argparse.Namespace) -> dict[str, Any]
         time.sleep(max(0.0, t0 + c * period + (period - window) - time.time()))  # the trainer is away
         ta = time.time()
         close = ta + window
-        stack.start("trainer")
+        # A backlog trainer leaves by itself once the backlog is drained; the windowed one waits.
+        stack.start("trainer", {} if setup == "windowed" else {"BURSTRL_TRAINER_LEAVE_WHEN_IDLE_S": str(LEAVE_IDLE_S)})
         ready_at = None
         if setup == "replica":
             stack.n_rollouts = 2  # its own core binding and scratch dir (Stack.start)
@@ -218,11 +218,9 @@ def burst_run(stack: Stack, setup: str, a: argparse.Namespace) -> dict[str, Any]
                         ready_at = time.time() - ta
                 except httpx.HTTPError:
                     pass
-            if setup != "windowed":
-                pts = [p for p in read_points(r, job_id, "trainer") if p["at"] >= ta]
-                if _drained(pts):
-                    break
-            time.sleep(0.25)
+            if setup != "windowed" and not alive(stack.pid("trainer")):
+                break  # it left: drained (or it failed: its log says which)
+            time.sleep(0.1)
         if setup == "replica":
             replica_iv.append((ta, _stop(stack, "rollout2")))
             replica_ready.append(ready_at)
@@ -250,6 +248,7 @@ def burst_run(stack: Stack, setup: str, a: argparse.Namespace) -> dict[str, Any]
         "job_id": job_id,
         "t0": t0,
         "wall_s": round(t1 - t0, 1),
+        "window_s": window,
         "trainer_intervals": trainer_iv,
         "replica_intervals": replica_iv,
         "replica_ready_s": replica_ready,
@@ -336,7 +335,12 @@ def rates(runs: list[dict[str, Any]]) -> dict[str, float]:
     busy = sum(p["train_s"] + p["publish_s"] + p["checkpoint_s"] for p in steps)
     trainer = sum(p["groups"] for p in steps) / busy if busy else float("nan")
     rollout = sum(x["groups_made"] for x in bl) / sum(x["wall_s"] for x in bl) if bl else float("nan")
-    starts = []
+    starts, teardowns = [], []
+    for x in bl:  # drained sessions: from the last step's end to the process gone
+        for a, b in x["trainer_intervals"]:
+            last = [p for p in x["points"] if a <= p["at"] <= b][-1:]
+            if last and b - a < x.get("window_s", math.inf) - 1:
+                teardowns.append(b - last[0]["at"])
     for x in runs:
         if x["setup"] == "trl":
             continue
@@ -351,6 +355,8 @@ def rates(runs: list[dict[str, Any]]) -> dict[str, float]:
         "k": round(trainer / rollout, 2) if rollout else float("nan"),
         "startup_s": round(statistics.median(starts), 1) if starts else float("nan"),
         "startup_range_s": [round(min(starts), 1), round(max(starts), 1)] if starts else [],
+        "teardown_s": round(statistics.median(teardowns), 1) if teardowns else 0.0,
+        "teardown_range_s": [round(min(teardowns), 1), round(max(teardowns), 1)] if teardowns else [],
     }
 
 
@@ -461,7 +467,10 @@ def report(cmd: str, a: argparse.Namespace, res: dict[str, Any]) -> str:
     lines += ["Targets:", "", *tg, ""]
     # Planner.
     lines += [
-        "Planner (`services.plan.bursts.predict_bursts`, fed this run's measured rates, start-up and duty cycle): "
+        "Planner (`services.plan.bursts.predict_bursts`, fed this run's measured rates, start-up, teardown "
+        f"(median {rt.get('teardown_s', 0.0)} s, from {(rt.get('teardown_range_s') or ['-'])[0]} to "
+        f"{(rt.get('teardown_range_s') or ['-'])[-1]} s: the leave-when-idle wait of {LEAVE_IDLE_S:g} s, the exit "
+        "checkpoint, process exit) and duty cycle: every input calibrated on this run, none estimated): "
         "predicted billable share of the wall clock against the measured one.",
         "",
         "| setup | predicted share | limited by | measured share | predicted / measured | within ±25% |",
@@ -477,6 +486,7 @@ def report(cmd: str, a: argparse.Namespace, res: dict[str, Any]) -> str:
             duty_cycle=a.duty,
             startup_s=rt["startup_s"],
             period_s=a.cycle_s,
+            teardown_s=rt.get("teardown_s", 0.0),
         )
         meas = x["billable_s"] / x["wall_s"]
         q = c.billable_share / meas

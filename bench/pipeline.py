@@ -130,10 +130,10 @@ class Stack:
     def role(self, name: str) -> str:
         return "rollout" if name.startswith("rollout") else name
 
-    def start(self, name: str) -> None:
-        """(Re)start one service on its port (the same port after a crash)."""
+    def start(self, name: str, env: dict[str, str] | None = None) -> None:
+        """(Re)start one service on its port (the same port after a crash); `env` adds to the stack's."""
         self.ports.setdefault(name, free_port())
-        env = dict(self.env)
+        env = {**self.env, **(env or {})}
         if name.startswith("rollout") and name != "rollout":  # replicas: their own scratch
             env["BURSTRL_DATA_DIR"] = str(self.home / f"data-{name}")
         cpus = self.cpus.get(self.role(name))

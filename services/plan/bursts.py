@@ -8,11 +8,14 @@ and the planner (`pricing.py`) can put its estimated rates in to price a layout.
 The model, per cycle of `period_s` seconds:
 - A window of `duty_cycle x period_s` seconds opens; the trainer may be alive only inside it.
   It starts at the window's start and spends `startup_s` (billable) before its first step:
-  machine start, model load, the first backlog fetch.
+  machine start, model load, the first backlog fetch. It leaves with `teardown_s` (billable)
+  before it is gone: noticing the backlog is empty (the trainer's leave_when_idle_s), the exit
+  checkpoint, process exit. Start-up + teardown must fit in the window.
 - The always-on side produces `rollout_rate` groups/s all the time into the backlog, up to
   `backlog_cap` groups; a full backlog makes it idle (it never drops data).
 - Without a burst-side replica, the trainer trains `trainer_rate` groups/s while the backlog
-  holds groups, and exits when it is empty (or the window closes). Billable: start-up + that.
+  holds groups, and exits when it is empty (or the window closes). Billable: start-up +
+  that + teardown.
 - With a burst-side replica (`replica_rate` > 0: what a rollout engine on the rented card would
   generate alone), the trainer first drains the backlog, then shares the card with the replica
   until the window closes: the replica takes the fraction f = (trainer - rollout) /
@@ -65,12 +68,17 @@ def predict_bursts(
     period_s: float,
     backlog_cap: float = math.inf,
     replica_rate: float = 0.0,
+    teardown_s: float = 0.0,
 ) -> BurstCycle:
     """Predict one steady-state cycle; rates in groups per second (see the module docstring).
 
     >>> c = predict_bursts(rollout_rate=1.0, trainer_rate=4.0, duty_cycle=0.5, startup_s=60, period_s=3600)
     >>> round(c.billable_s), c.limited_by  # 60 s start-up + 3600 x 1/4 s of training
     (960, 'backlog empty')
+    >>> c = predict_bursts(rollout_rate=1.0, trainer_rate=4.0, duty_cycle=0.5, startup_s=60, period_s=3600,
+    ...                    teardown_s=40)
+    >>> c.billable_s  # ... + 40 s to notice the empty backlog, checkpoint and exit
+    1000.0
     """
     _check("rollout_rate", rollout_rate, 0.0, low_ok=True)
     _check("trainer_rate", trainer_rate, 0.0, low_ok=False)
@@ -79,9 +87,10 @@ def predict_bursts(
     _check("period_s", period_s, 0.0, low_ok=False)
     _check("backlog_cap", backlog_cap, 0.0, low_ok=True, inf_ok=True)
     _check("replica_rate", replica_rate, 0.0, low_ok=True)
+    _check("teardown_s", teardown_s, 0.0, low_ok=True)
     r_h, r_t, P = rollout_rate, trainer_rate, period_s
     W = duty_cycle * P
-    room = max(0.0, W - startup_s)  # training time the window allows
+    room = max(0.0, W - startup_s - teardown_s)  # training time the window allows
     f = mixed = 0.0
     if replica_rate <= 0:
         if r_t > r_h:
@@ -95,7 +104,7 @@ def predict_bursts(
         if drain > room:
             drain, backlog, limited = room, backlog_cap, "window"
         trained = r_t * drain
-        billable = startup_s + drain if drain > 0 else min(startup_s, W)
+        billable = min(W, startup_s + drain + teardown_s) if drain > 0 else min(startup_s + teardown_s, W)
     else:
         # Production since the last window closed (the mixed phase kept the backlog empty).
         backlog = min(r_h * (P - W + startup_s), backlog_cap)

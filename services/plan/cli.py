@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     cost.add_argument("--bursts-per-week", help="most sessions per week (default 3)")
     cost.add_argument("--duty-cycle", help="instead of --bursts-per-week: share of the week you may rent, (0, 1]")
     cost.add_argument("--startup-minutes", default="5", help="billable minutes per burst before training")
+    cost.add_argument(
+        "--teardown-minutes", default="1", help="billable minutes per burst after training (drain wait, exit)"
+    )
     cost.add_argument("--max-lag", default="256", help="staleness limit in policy versions (default 256: M2PO)")
     out = p.add_argument_group("output")
     out.add_argument("--emit", choices=["table", "json", "env"], default="table", help="env: each role's variables")
@@ -137,11 +140,17 @@ def burst_pattern(args: argparse.Namespace) -> BurstPattern:
     startup = _number("--startup-minutes", args.startup_minutes, hint)
     if not 0 <= startup < hours * 60:
         raise UsageError(f"--startup-minutes {args.startup_minutes}: {hint}")
+    hint = f"use minutes >= 0 that, with --startup-minutes {startup:g}, fit in the {hours:g} h burst, e.g. 1"
+    teardown = _number("--teardown-minutes", args.teardown_minutes, hint)
+    if not 0 <= teardown < hours * 60 - startup:
+        raise UsageError(f"--teardown-minutes {args.teardown_minutes}: {hint}")
     hint = "use policy versions >= 1, e.g. --max-lag 8 (truncated IS) or --max-lag 256 (M2PO)"
     lag = int(_number("--max-lag", args.max_lag, hint, integer=True))
     if lag < 1:
         raise UsageError(f"--max-lag {args.max_lag}: {hint}")
-    return BurstPattern(burst_hours=hours, bursts_per_week=bursts, startup_minutes=startup, max_lag=lag)
+    return BurstPattern(
+        burst_hours=hours, bursts_per_week=bursts, startup_minutes=startup, teardown_minutes=teardown, max_lag=lag
+    )
 
 
 def _list_cards(catalog: Catalog, console: Console) -> None:

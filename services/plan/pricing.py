@@ -52,6 +52,13 @@ class BurstPattern(BaseModel):
     startup_minutes: float = Field(
         default=5.0, ge=0, allow_inf_nan=False, description="Billable minutes per burst before the first step."
     )
+    teardown_minutes: float = Field(
+        default=1.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Billable minutes per burst after the last step: noticing the backlog is drained "
+        "(the trainer's --leave-when-idle), the exit checkpoint, process exit.",
+    )
     max_lag: int = Field(default=256, ge=1, description="Staleness limit: policy versions a trained group may lag.")
 
     @model_validator(mode="after")
@@ -61,10 +68,10 @@ class BurstPattern(BaseModel):
                 f"{self.bursts_per_week} bursts of {self.burst_hours:g} h do not fit in a week (168 h): "
                 f"use at most {int(HOURS_PER_WEEK // self.burst_hours)} bursts per week"
             )
-        if self.startup_minutes >= self.burst_hours * 60:
+        if self.startup_minutes + self.teardown_minutes >= self.burst_hours * 60:
             raise ValueError(
-                f"a start-up of {self.startup_minutes:g} min leaves no time to train in a "
-                f"{self.burst_hours:g} h burst: use a shorter start-up or longer bursts"
+                f"a start-up of {self.startup_minutes:g} min and a teardown of {self.teardown_minutes:g} min "
+                f"leave no time to train in a {self.burst_hours:g} h burst: use shorter ones or longer bursts"
             )
         return self
 
@@ -140,7 +147,7 @@ def _bursting(
 ) -> ModeCost:
     """all-rented / windowed: every card of the layout held for whole bursts."""
     group = sides.trainer_cards + sides.home_cards
-    train_h = p.burst_hours - p.startup_minutes / 60
+    train_h = p.burst_hours - (p.startup_minutes + p.teardown_minutes) / 60
     steps_burst = train_h * 3600 / step_s
     steps_week = steps_burst * p.bursts_per_week
     held_h = p.burst_hours * p.bursts_per_week
@@ -187,6 +194,7 @@ def _backlog(sides: Sides, cards: dict[str, Card], p: BurstPattern, w: Workload,
             trainer_rate=r_t,
             duty_cycle=p.burst_hours * 3600 / period,
             startup_s=p.startup_minutes * 60,
+            teardown_s=p.teardown_minutes * 60,
             period_s=period,
             backlog_cap=cap,
             replica_rate=r_g,

@@ -71,7 +71,7 @@ def render_costs(plan: Plan, console: Console) -> None:
     )
     console.print(
         f"costs: {prices}. Bursts of at most {p.burst_hours:g} h, at most {p.bursts_per_week}/week "
-        f"(duty cycle ≤ {p.duty_cycle:.1%}), start-up {p.startup_minutes:g} min, max lag {p.max_lag} versions"
+        f"(duty cycle ≤ {p.duty_cycle:.1%}), start-up {p.startup_minutes:g} min, teardown {p.teardown_minutes:g} min, max lag {p.max_lag} versions"
     )
     table = Table(title_justify="left")
     for col in ["way", "$/1k steps", "rented h/1k", "steps/wk", "lag", "home g/h", "rent g/h"]:

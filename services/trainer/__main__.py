@@ -1,6 +1,9 @@
-"""`python -m services.trainer [--time-budget S] [--deadline T]`: claims a running job and trains it.
+"""`python -m services.trainer [--time-budget S] [--deadline T] [--leave-when-idle S]`: claims a
+running job and trains it.
 
-One job at a time. Under torchrun (WORLD_SIZE > 1) rank 0 is the service (HTTP, heartbeat,
+One job at a time. A burst session ends at its budget or deadline, or, with --leave-when-idle,
+as soon as the backlog is drained and no batch has formed for that long: the rented card is not
+billed for waiting on rollout. Under torchrun (WORLD_SIZE > 1) rank 0 is the service (HTTP, heartbeat,
 Redis, store) and the other ranks follow it (see distributed.py).
 """
 
@@ -8,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import time
 from datetime import datetime
 
@@ -28,10 +32,28 @@ def _deadline(value: str) -> float:
         return datetime.fromisoformat(value).timestamp()
 
 
+def _seconds(value: str) -> float:
+    """A finite, non-negative number of seconds."""
+    try:
+        s = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+    if not math.isfinite(s) or s < 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: give a finite number of seconds >= 0")
+    return s
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m services.trainer", description=__doc__)
-    p.add_argument("--time-budget", type=float, default=None, help="Session length in seconds from now.")
+    p.add_argument("--time-budget", type=_seconds, default=None, help="Session length in seconds from now.")
     p.add_argument("--deadline", type=_deadline, default=None, help="Session end: unix time or ISO 8601.")
+    p.add_argument(
+        "--leave-when-idle",
+        type=_seconds,
+        default=None,
+        metavar="S",
+        help="Exit, checkpointed, once no batch has formed for S seconds and no backlog segment is left.",
+    )
     return p.parse_args(argv)
 
 
@@ -44,6 +66,8 @@ def main(argv: list[str] | None = None) -> None:
         settings.time_budget_s = args.time_budget
     if args.deadline is not None:
         settings.deadline = args.deadline
+    if args.leave_when_idle is not None:
+        settings.leave_when_idle_s = args.leave_when_idle
 
     import torch
 

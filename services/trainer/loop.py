@@ -15,7 +15,9 @@ stored, fenced by the lease.
 Burst sessions: with a time budget (or deadline) the trainer measures its own step and
 save-and-upload times and, before the budget runs out, checkpoints and exits cleanly;
 on SIGTERM it abandons a batch it has not yet applied (it stays pending for the next
-session), checkpoints what it has, and exits 0.
+session), checkpoints what it has, and exits 0. With leave_when_idle_s it also leaves once the
+backlog is drained: no batch for that long and no segment left. A partial batch stays pending
+for the next session.
 
 Over ~400 lines: the job loop is one state machine (claim, read, admit, train, checkpoint, ack,
 publish, hand back) and each step's failure handling reads best next to the step; the pieces that
@@ -234,6 +236,8 @@ class JobTrainer:
                         break
                     self.pending = self.pending[spec.batch_size :]
                     t_wait = time.time()
+                elif self._drained(waited_s=time.time() - t_wait):
+                    break
             self._checkpoint_if_dirty()
         except JobStuck as e:
             self._checkpoint_if_dirty()
@@ -251,7 +255,7 @@ class JobTrainer:
             self.src.close()
             self.comm.broadcast_int(CMD_STOP)
             self._session_point("end")
-        if self.exit_reason.startswith("time budget"):
+        if self.exit_reason.startswith(("time budget", "drained")):
             log.info("job %s: %s; exiting the session", self.rec.id, self.exit_reason)
             self.rt.stop.set()  # a burst session ends here; the next one resumes from the store
         elif self.exit_reason:
@@ -311,6 +315,15 @@ class JobTrainer:
             )
             return True
         return False
+
+    def _drained(self, *, waited_s: float) -> bool:
+        """Whether a burst session should leave: no batch formed for leave_when_idle_s and no
+        backlog segment left to read. What is pending stays unacknowledged for the next session."""
+        limit = self.s.leave_when_idle_s
+        if not limit or waited_s < limit or self.src.segments_waiting():
+            return False
+        self.exit_reason = f"drained: no batch for {waited_s:.1f}s (leave_when_idle_s {limit:g})"
+        return True
 
     def _admit(self, entries: list[Ref]) -> None:
         spec, version, now = self.rec.spec, self.state.step, time.time()

@@ -59,6 +59,14 @@ class TrainerSettings(CommonSettings):
         0.0, ge=0.0, description="Session length in seconds from process start; 0: unlimited (--time-budget)."
     )
     deadline: float = Field(0.0, ge=0.0, description="Session end as a unix time; 0: none (--deadline).")
+    leave_when_idle_s: float = Field(
+        0.0,
+        ge=0.0,
+        allow_inf_nan=False,
+        description="Burst sessions: exit (checkpointed, code 0) once no batch has formed for this many "
+        "seconds and no backlog segment is left, so a drained backlog stops the billing; 0: wait for "
+        "more data forever (--leave-when-idle).",
+    )
     budget_margin_s: float = Field(
         10.0, ge=0.0, description="Safety margin kept on top of the measured step and save times."
     )

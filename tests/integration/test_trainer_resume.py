@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,8 +31,9 @@ from shared.job import JobState, load_job
 from shared.lease import Lease
 from shared.metrics import read_ledger, read_points
 from shared.policy import version_prefix
+from shared.schema import encode
 from shared.store import get_folder, put_folder
-from tests.support.trainer_resume import BATCH, JOB, STEPS, ZERO_VAR, Run, crash_before_ack
+from tests.support.trainer_resume import BATCH, JOB, STEPS, ZERO_VAR, Run, crash_before_ack, resume_groups
 from tests.support.waits import Deadline
 
 
@@ -194,9 +196,41 @@ def test_budget_estimate_uses_measured_step_and_save_times(r, tmp_path, model_di
     assert not run.trainer().deadline == 0.0  # --time-budget sets a deadline
 
 
-def test_sigterm_in_a_real_process_checkpoints_and_exits_0(r, tmp_path, model_dir, redis_server):
-    """python -m services.trainer trains what the bus holds, waits for more, gets SIGTERM."""
-    run = Run(r, tmp_path, model_dir, checkpoint_every=100, steps=50)  # data for 5 steps only
+def _feed_extra(r, i: int) -> None:  # noqa: ANN001
+    """Extra group i (0 or 1, with reward variance): step STEPS+1's batch, past what Run fed."""
+    g = resume_groups(STEPS + 1)[STEPS * BATCH + len(ZERO_VAR) + i]
+    r.xadd(keys.ready(JOB), {FIELD: encode(g)})
+    r.hincrby(keys.ledger(JOB), "fed", 1)
+
+
+def test_a_drained_backlog_ends_the_session_and_its_partial_batch_waits_for_the_next(r, tmp_path, model_dir):
+    run = Run(r, tmp_path, model_dir, checkpoint_every=100, steps=STEPS + 1)
+    _feed_extra(r, 0)  # half of step STEPS+1's batch: it cannot form, so the session drains
+    run.settings.leave_when_idle_s = 1.0
+    t = run.trainer()
+    guard = threading.Timer(120, t.rt.stop.set)  # a trainer that never leaves fails, it does not hang
+    guard.start()
+    try:
+        t.run()
+    finally:
+        guard.cancel()
+    assert t.exit_reason.startswith("drained: no batch for") and t.rt.stop.is_set(), t.exit_reason
+    assert checkpoint_steps(run.store, JOB) == [STEPS]  # the exit checkpoint, then acks
+    led = read_ledger(r, JOB)
+    assert led["trained"] == STEPS * BATCH, led
+    assert r.xpending(keys.ready(JOB), keys.GROUP_TRAINER)["pending"] == 1  # left for the next session
+    assert load_job(r, JOB).state == JobState.running
+    _feed_extra(r, 1)  # rollout went on meanwhile: the next burst completes the job
+    t = run.trainer()
+    t.run()
+    assert t.state.step == STEPS + 1 and load_job(r, JOB).state == JobState.completed
+    led = read_ledger(r, JOB)
+    assert led["trained"] == (STEPS + 1) * BATCH and led["in_flight"] == 0, led
+    assert r.xpending(keys.ready(JOB), keys.GROUP_TRAINER)["pending"] == 0
+
+
+def _trainer_process(run: Run, redis_server, tmp_path: Path, *args: str) -> tuple[subprocess.Popen, Path]:  # noqa: ANN001
+    """python -m services.trainer for Run's job, logging to tmp_path/trainer.log."""
     env = {
         **os.environ,
         "REDIS_URL": redis_server.url,
@@ -209,29 +243,61 @@ def test_sigterm_in_a_real_process_checkpoints_and_exits_0(r, tmp_path, model_di
         "BURSTRL_TRAINER_THREADS": "1",
     }
     root = Path(__file__).resolve().parents[2]
-    log = (tmp_path / "trainer.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.trainer"], cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT
-    )
+    log = tmp_path / "trainer.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.trainer", *args], cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+    return proc, log
+
+
+def test_sigterm_in_a_real_process_checkpoints_and_exits_0(r, tmp_path, model_dir, redis_server):
+    """python -m services.trainer trains what the bus holds, waits for more, gets SIGTERM."""
+    run = Run(r, tmp_path, model_dir, checkpoint_every=100, steps=50)  # data for 5 steps only
+    proc, log = _trainer_process(run, redis_server, tmp_path)
     try:
         deadline = time.time() + 180
         while len(read_points(r, JOB, "trainer")) < STEPS:
-            assert proc.poll() is None and time.time() < deadline, (tmp_path / "trainer.log").read_text()[-3000:]
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
         assert checkpoint_steps(run.store, JOB) == []  # nothing durable yet: acks wait for a checkpoint
         t0 = time.time()
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
         assert time.time() - t0 < 30  # within a typical pre-emption grace period
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        log.close()
     assert checkpoint_steps(run.store, JOB) == [STEPS]
     led = read_ledger(r, JOB)
     assert led["trained"] == STEPS * BATCH and led["in_flight"] == 0
     assert load_job(r, JOB).state == JobState.running  # pre-empted, not finished: the next session resumes
+
+
+def test_a_real_trainer_leaves_by_itself_once_the_backlog_is_drained(r, tmp_path, model_dir, redis_server):
+    """--leave-when-idle: the process checkpoints and exits 0 on its own; nobody has to stop it."""
+    run = Run(r, tmp_path, model_dir, checkpoint_every=100, steps=50)  # data for 5 steps only
+    proc, log = _trainer_process(run, redis_server, tmp_path, "--leave-when-idle", "2")
+    try:
+        assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert checkpoint_steps(run.store, JOB) == [STEPS]
+    assert read_ledger(r, JOB)["trained"] == STEPS * BATCH
+    assert "drained: no batch for" in log.read_text()
+    assert load_job(r, JOB).state == JobState.running
+
+
+@pytest.mark.parametrize("bad", ["-1", "nan", "inf", "soon"])
+def test_leave_when_idle_refuses_what_is_not_seconds(bad: str) -> None:
+    from services.trainer.__main__ import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--leave-when-idle", bad])
+    assert parse_args(["--leave-when-idle", "2.5"]).leave_when_idle == 2.5
 
 
 def test_a_corrupt_version_in_the_way_is_published_again(r, tmp_path, model_dir, reference):

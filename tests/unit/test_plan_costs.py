@@ -61,6 +61,17 @@ def test_a_burst_side_replica_shares_the_card_until_the_window_closes() -> None:
     assert c.home_idle_share == pytest.approx(0)  # everything home made (3600) was trained
 
 
+def test_teardown_is_billed_after_the_drain_and_never_past_the_window() -> None:
+    # The trainer notices the empty backlog, checkpoints and exits: those seconds are billed too.
+    base = {"rollout_rate": 1, "trainer_rate": 4, "duty_cycle": 0.5, "startup_s": 60, "period_s": 3600}
+    without, with_ = predict_bursts(**base), predict_bursts(**base, teardown_s=40)
+    assert with_.billable_s == without.billable_s + 40 == 1000
+    assert with_.trained_groups == without.trained_groups  # it trains the same, it is only held longer
+    # Window-limited: training time shrinks so that the exit still fits; billing stops at the window.
+    c = predict_bursts(**(base | {"duty_cycle": 0.1}), teardown_s=40)
+    assert c.limited_by == "window" and c.billable_s == 360 and c.drain_s == 360 - 60 - 40
+
+
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
@@ -69,6 +80,8 @@ def test_a_burst_side_replica_shares_the_card_until_the_window_closes() -> None:
         ({"duty_cycle": math.nan}, "duty_cycle"),
         ({"trainer_rate": 0.0}, "trainer_rate"),
         ({"startup_s": -1.0}, "startup_s"),
+        ({"teardown_s": -1.0}, "teardown_s"),
+        ({"teardown_s": math.nan}, "teardown_s"),
         ({"rollout_rate": math.inf}, "rollout_rate"),
     ],
 )
@@ -183,6 +196,9 @@ def test_owned_cards_only_cost_nothing_and_keep_the_fastest_plan(capsys: pytest.
         (["--max-lag", "nan"], "--max-lag"),
         (["--startup-minutes", "-1"], "--startup-minutes"),
         (["--startup-minutes", "600"], "--startup-minutes"),
+        (["--teardown-minutes", "-1"], "--teardown-minutes"),
+        (["--teardown-minutes", "nan"], "--teardown-minutes"),
+        (["--startup-minutes", "300", "--teardown-minutes", "300"], "--teardown-minutes"),
         (["--owned", "h200", "--rented", "h200"], "--owned"),
         (["--mfu", "0"], "--mfu"),
         (["--objective", "cheap"], "--objective"),
