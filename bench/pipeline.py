@@ -106,6 +106,10 @@ class Stack:
         return out
 
     def __enter__(self) -> Stack:
+        if Path(self.model) == MODEL:  # a fresh clone has none yet: build it, as `make demo` would
+            from shared.ml.models import ensure_tiny_model
+
+            ensure_tiny_model(MODEL)
         t0 = time.time()
         self.redis_port = free_port()
         self.redis_url = self.launcher.start_redis(self.redis_port)
