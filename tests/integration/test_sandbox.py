@@ -8,12 +8,15 @@ shared machine.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from shared.domain.sandbox import HARNESS_PATH, Limits, RunResult, check_isolation, run_code, settings
+from shared.domain.sandbox import HARNESS_PATH, Limits, RunResult, check_isolation, limits, run_code, settings
+from tests.support import ROOT
 
 ok, why = check_isolation()
 pytestmark = pytest.mark.skipif(not ok, reason=f"sandbox unavailable here: {why}")
@@ -24,9 +27,23 @@ DOUBLE = [{"call": "f", "args": [2], "expected": 4}, {"call": "f", "args": [[1]]
 GOOD_ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
 
 
-def sandbox_pids() -> list[int]:
+# This module's runs use a uid pool of their own: a test worker beside it (pytest -n 2) may run
+# sandboxed code in the default pool at the same moment (the reward service of an end-to-end
+# test), and "no process left behind" must count this module's runs only.
+OWN_POOL = {"uid_base": 2_100_000_000 + 8192, "uid_count": 16}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def own_uid_pool(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    before = limits._settings
+    limits._settings = limits.SandboxSettings(**OWN_POOL, lock_dir=tmp_path_factory.mktemp("sandbox-locks"))
+    yield limits._settings
+    limits._settings = before
+
+
+def sandbox_pids(pool: limits.SandboxSettings | None = None) -> list[int]:
     """Processes running as any uid of the sandbox pool (there must be none between runs)."""
-    s = settings()
+    s = pool or settings()
     lo, hi = s.uid_base, s.uid_base + s.uid_count
     pids = []
     for p in Path("/proc").iterdir():
@@ -189,3 +206,29 @@ def test_sees_only_its_own_processes() -> None:
 
 def test_syntax_error() -> None:
     assert_zero(run_code("def f(:\n", DOUBLE, TIGHT), "syntax_error")
+
+
+def test_a_sandboxed_run_in_another_process_is_not_counted_as_ours() -> None:
+    """Another process (a reward service under a second test worker) runs code in the default
+    pool meanwhile: this module's runs still find no process of theirs left behind."""
+    other = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from shared.domain.sandbox import Limits, run_code\n"
+            "run_code('import time\\ntime.sleep(12)\\n', [{'stdin': '', 'stdout': 'x'}],"
+            " Limits(cpu_s=2, wall_s=15.0, memory_mb=256, nproc=32, nofile=64, max_output=1 << 16))\n",
+        ],
+        cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if not k.startswith("BURSTRL_SANDBOX_")},
+    )
+    try:
+        default = limits.SandboxSettings()  # the pool the other process uses
+        deadline = time.monotonic() + 60
+        while not sandbox_pids(default):
+            assert other.poll() is None and time.monotonic() < deadline, "the other process never ran its code"
+            time.sleep(0.05)
+        assert_zero(run_code("def f(:\n", DOUBLE, TIGHT), "syntax_error")
+        assert sandbox_pids(default), "the other run ended before the check: it proved nothing"
+    finally:
+        other.wait(timeout=60)
