@@ -48,16 +48,17 @@ demo: $(STAMP)
 	$(BIN)/burstrl demo
 
 # Two pytest workers by default, one test file each at a time (module fixtures such as a vLLM
-# engine stay in one process), slow end-to-end files first. On a fresh clone the tiny models are
-# built inside the tests on one thread each (shared/ml/threads.py), so one worker leaves a core
-# idle while a build runs: on this 2-core box the suite took 32.2 min serially and 18.9 min with
-# two workers (fresh clone, both measured 2026-12-02); with the models cached 16.9 min on two.
+# engine stay in one process). xdist hands out files by test count, most first: the many small
+# unit and integration files go first while one worker builds the tiny model, and the slow
+# end-to-end files last. Collection order instead (--no-loadscope-reorder: end-to-end first) was
+# slower, 14.8 against 13.6 min on a fresh clone, run one after the other on 2026-12-03: both
+# workers then start on tests that wait for the same model build. The builds run on one thread
+# each (shared/ml/threads.py), so a serial run leaves a core idle while one runs: 32.2 min
+# serially against 18.9 min on two workers (fresh clone, 2026-12-02, a slower day on this box).
 # TEST_WORKERS=0 runs it serially in one process.
 TEST_WORKERS ?= 2
 TEST_ORDER := tests/e2e tests/integration tests/unit
-# --no-loadscope-reorder: xdist otherwise hands out files by test count, most first, which puts
-# the slow end-to-end files (few tests each) last and leaves one worker idle at the end.
-XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=25 $(XDIST) $(TEST_ORDER)

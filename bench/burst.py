@@ -466,13 +466,15 @@ def report(cmd: str, a: argparse.Namespace, res: dict[str, Any]) -> str:
                 )
     lines += ["Targets:", "", *tg, ""]
     # Planner.
+    tr = rt.get("teardown_range_s") or []
+    teardown = f"median {rt['teardown_s']} s, from {tr[0]} to {tr[-1]} s" if tr else "no session drained: 0 s"
     lines += [
         "Planner (`services.plan.bursts.predict_bursts`, fed this run's measured rates, start-up, teardown "
-        f"(median {rt.get('teardown_s', 0.0)} s, from {(rt.get('teardown_range_s') or ['-'])[0]} to "
-        f"{(rt.get('teardown_range_s') or ['-'])[-1]} s: the leave-when-idle wait of {LEAVE_IDLE_S:g} s, the exit "
-        "checkpoint, process exit) and duty cycle: every input calibrated on this run, none estimated; a "
-        "staleness limit of L versions caps the groups a burst can train at L x batch, as `burstrl plan` caps "
-        "the backlog at --max-lag): predicted billable share of the wall clock against the measured one.",
+        f"({teardown}: the leave-when-idle wait of {LEAVE_IDLE_S:g} s, the exit checkpoint, process exit), the "
+        f'batch ({BATCH} groups: a trainer that gets one within its {LEAVE_IDLE_S:g} s wait never leaves, "fed") '
+        "and duty cycle, every input calibrated on this run, none estimated; a staleness limit of L versions caps "
+        "the groups a burst can take from the backlog at L x batch, as `burstrl plan` caps the backlog at "
+        "--max-lag): predicted billable share of the wall clock against the measured one.",
         "",
         "| setup | predicted share | limited by | measured share | predicted / measured | within ±25% |",
         "|---|---|---|---|---|---|",
@@ -482,24 +484,23 @@ def report(cmd: str, a: argparse.Namespace, res: dict[str, Any]) -> str:
         if not x or math.isnan(rt["k"]):
             continue
         limit = SETUPS[s].get("backlog", {}).get("max_age_versions")
-        caps = [limit * BATCH, math.inf] if limit else [math.inf]  # with the cap, and (shown) without it
+        c = predict_bursts(
+            rollout_rate=rt["rollout_gps"],
+            trainer_rate=rt["trainer_gps"],
+            duty_cycle=a.duty,
+            startup_s=rt["startup_s"],
+            period_s=a.cycle_s,
+            teardown_s=rt.get("teardown_s", 0.0),
+            backlog_cap=limit * BATCH if limit else math.inf,
+            batch=BATCH,
+            leave_idle_s=LEAVE_IDLE_S,
+        )
         meas = x["billable_s"] / x["wall_s"]
-        for cap in caps:
-            c = predict_bursts(
-                rollout_rate=rt["rollout_gps"],
-                trainer_rate=rt["trainer_gps"],
-                duty_cycle=a.duty,
-                startup_s=rt["startup_s"],
-                period_s=a.cycle_s,
-                teardown_s=rt.get("teardown_s", 0.0),
-                backlog_cap=cap,
-            )
-            q = c.billable_share / meas
-            how = f" (cap {cap:g} groups)" if math.isfinite(cap) else (" (no cap)" if limit else "")
-            lines.append(
-                f"| {LABEL[s]}{how} | {c.billable_share:.3f} | {c.limited_by} | {meas:.3f} | {q:.2f} | "
-                f"{'met' if abs(q - 1) <= 0.25 else f'missed by {abs(q - 1) - 0.25:.2f}'} |"
-            )
+        q = c.billable_share / meas
+        lines.append(
+            f"| {LABEL[s]} | {c.billable_share:.3f} | {c.limited_by} | {meas:.3f} | {q:.2f} | "
+            f"{'met' if abs(q - 1) <= 0.25 else f'missed by {abs(q - 1) - 0.25:.2f}'} |"
+        )
     lines.append("")
     # Lag table.
     if res.get("lag"):

@@ -16,6 +16,11 @@ The model, per cycle of `period_s` seconds:
 - Without a burst-side replica, the trainer trains `trainer_rate` groups/s while the backlog
   holds groups, and exits when it is empty (or the window closes). Billable: start-up +
   that + teardown.
+- Unless fresh groups keep it fed: the trainer leaves only after `leave_idle_s` without a
+  batch (its --leave-when-idle). When the always-on side makes a batch of `batch` groups in less
+  than that (batch / rollout_rate < leave_idle_s), it never leaves: once the backlog is empty
+  it trains at rollout's pace until the window closes, billed for the waiting between batches
+  ("fed"). `leave_idle_s` 0 models a trainer that leaves the moment the backlog is empty.
 - With a burst-side replica (`replica_rate` > 0: what a rollout engine on the rented card would
   generate alone), the trainer first drains the backlog, then shares the card with the replica
   until the window closes: the replica takes the fraction f = (trainer - rollout) /
@@ -45,10 +50,10 @@ class BurstCycle:
     trained_groups: float
     backlog_groups: float  # waiting when the first step starts
     drain_s: float  # training at trainer_rate on the backlog
-    mixed_s: float  # training beside the replica, after the backlog emptied
+    mixed_s: float  # training beside the replica (or fed by rollout), after the backlog emptied
     replica_share: float  # f: the fraction of the card the replica takes while mixed
     home_idle_share: float  # of the period, the always-on side idled on a full backlog
-    limited_by: str  # "backlog empty" | "backlog cap" | "window"
+    limited_by: str  # "backlog empty" | "backlog cap" | "window" | "fed" (rollout kept it from leaving)
 
 
 def _check(name: str, value: float, low: float, *, low_ok: bool, high: float = math.inf, inf_ok: bool = False) -> None:
@@ -69,6 +74,8 @@ def predict_bursts(
     backlog_cap: float = math.inf,
     replica_rate: float = 0.0,
     teardown_s: float = 0.0,
+    batch: float = 1.0,
+    leave_idle_s: float = 0.0,
 ) -> BurstCycle:
     """Predict one steady-state cycle; rates in groups per second (see the module docstring).
 
@@ -88,11 +95,23 @@ def predict_bursts(
     _check("backlog_cap", backlog_cap, 0.0, low_ok=True, inf_ok=True)
     _check("replica_rate", replica_rate, 0.0, low_ok=True)
     _check("teardown_s", teardown_s, 0.0, low_ok=True)
+    _check("batch", batch, 0.0, low_ok=False)
+    _check("leave_idle_s", leave_idle_s, 0.0, low_ok=True)
     r_h, r_t, P = rollout_rate, trainer_rate, period_s
     W = duty_cycle * P
     room = max(0.0, W - startup_s - teardown_s)  # training time the window allows
     f = mixed = 0.0
-    if replica_rate <= 0:
+    # (With trainer_rate <= rollout_rate the backlog never empties: the window limits, below.)
+    fed = replica_rate <= 0 and leave_idle_s > 0 and r_t > r_h > 0 and batch / r_h < leave_idle_s
+    if fed:
+        # Like the replica case without the replica: the trainer stays to the window's end, so
+        # the backlog holds what was made since then (the fed phase kept it empty).
+        backlog = min(r_h * (P - W + startup_s), backlog_cap)
+        drain = min(room, backlog / (r_t - r_h))
+        mixed = room - drain
+        trained = r_t * drain + r_h * mixed
+        billable, limited = W, "fed"
+    elif replica_rate <= 0:
         if r_t > r_h:
             drain = r_h * P / r_t  # steady state: train what one period produced
             backlog = r_h * (P - drain)  # produced since the last burst's training ended

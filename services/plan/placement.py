@@ -46,6 +46,8 @@ PROVENANCE = {
     "step times and rates": "estimated: FLOPs/bandwidth model with mfu and bw_eff, expect ±50%",
     "prices": "given: catalog defaults (typical 2025-2026 on-demand rates) or --price",
     "start-up": "assumed: --startup-minutes per burst",
+    "teardown": "assumed: --teardown-minutes per burst (on the tiny model on CPU, bench/burst.py measured "
+    "the trainer's leave-when-idle wait + exit checkpoint + exit at 3.4 s with a 2 s wait)",
     "costs, cadence, lag": "estimated: arithmetic over the estimated rates (services/plan/bursts.py)",
     "backlog bytes": "exact for the wire format's arrays (shared/schema.py) at full completion length; "
     "text estimated at 4 B/token",

@@ -123,6 +123,11 @@ class ModeCost(BaseModel):
     )
     within_limit: bool = True
     uses_rented: bool = False
+    leave_when_idle_s: float = Field(
+        default=0.0,
+        description="The trainer's --leave-when-idle for this mode: half the home side's seconds per batch, so "
+        "a drained burst ends instead of training at home's pace (0: stay, with a replica beside it).",
+    )
 
 
 def group_bytes(w: Workload, ref: bool) -> dict[str, float]:
@@ -186,6 +191,8 @@ def _backlog(sides: Sides, cards: dict[str, Card], p: BurstPattern, w: Workload,
         why = f"home groups already lag {arrival_lag} versions on arrival, over --max-lag {p.max_lag}"
         return out.model_copy(update={"available": False, "within_limit": False, "why_not": why})
     cap = float(room * w.batch)
+    # Shorter than the home side's batch interval, or a drained burst never ends (bursts.py, "fed").
+    leave = 0.0 if replica else round(sides.sampler_side_s / 2, 1)
     best: tuple[float, float, int, BurstCycle] | None = None
     for n in range(1, p.bursts_per_week + 1):
         period = HOURS_PER_WEEK / n * 3600
@@ -198,6 +205,8 @@ def _backlog(sides: Sides, cards: dict[str, Card], p: BurstPattern, w: Workload,
             period_s=period,
             backlog_cap=cap,
             replica_rate=r_g,
+            batch=w.batch,
+            leave_idle_s=leave,
         )
         steps_week = n * c.trained_groups / w.batch
         if steps_week <= 0:
@@ -224,6 +233,7 @@ def _backlog(sides: Sides, cards: dict[str, Card], p: BurstPattern, w: Workload,
     fill = math.floor(HOURS_PER_WEEK * 3600 * r_h / home_made) if home_made > 0 else 0
     return out.model_copy(
         update={
+            "leave_when_idle_s": leave,
             "replica_share": c.replica_share,
             "replica_memory_share": (sides.replica_memory_share or 0.0) if replica else 0.0,
             "bursts_per_week": n,

@@ -115,6 +115,11 @@ def cadence(m: ModeCost) -> str:
             f"lag ≤ {m.lag_max} versions (mean ≈ {m.lag_mean:.0f}); home cards idle {m.home_idle_share:.0%} "
             "of the week on a full backlog"
         )
+    if m.mode == "backlog" and m.leave_when_idle_s:
+        text += (
+            f"; trainer BURSTRL_TRAINER_LEAVE_WHEN_IDLE_S={m.leave_when_idle_s:g} (under the home side's "
+            f"{2 * m.leave_when_idle_s:g} s per batch: a longer wait keeps a drained burst training at home's pace, billed)"
+        )
     if m.mode == "backlog+replica":
         text += (
             f"; the replica takes gpu_memory_utilization={m.replica_memory_share} (what the trainer leaves "

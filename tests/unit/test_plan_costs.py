@@ -72,6 +72,20 @@ def test_teardown_is_billed_after_the_drain_and_never_past_the_window() -> None:
     assert c.limited_by == "window" and c.billable_s == 360 and c.drain_s == 360 - 60 - 40
 
 
+def test_a_trainer_fed_within_its_idle_wait_stays_to_the_window_end() -> None:
+    # Home makes a batch (2 groups) every 2 s; the trainer leaves only after 5 s without one:
+    # once the backlog is drained it trains at home's pace and is billed for the whole window.
+    base = {"rollout_rate": 1, "trainer_rate": 4, "duty_cycle": 0.5, "startup_s": 60, "period_s": 3600, "batch": 2}
+    c = predict_bursts(**base, leave_idle_s=5)
+    assert c.limited_by == "fed" and c.billable_s == 1800
+    backlog = 1 * (3600 - 1800 + 60)  # made since the last window closed
+    assert c.backlog_groups == backlog and c.drain_s == pytest.approx(backlog / 3)
+    assert c.trained_groups == pytest.approx(3600)  # all home made, the fed phase at home's pace
+    # A shorter wait than home's batch interval: it leaves once the backlog is empty, as before.
+    assert predict_bursts(**base, leave_idle_s=1) == predict_bursts(**base)
+    assert predict_bursts(**base).billable_s == 960
+
+
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
@@ -82,6 +96,8 @@ def test_teardown_is_billed_after_the_drain_and_never_past_the_window() -> None:
         ({"startup_s": -1.0}, "startup_s"),
         ({"teardown_s": -1.0}, "teardown_s"),
         ({"teardown_s": math.nan}, "teardown_s"),
+        ({"batch": 0.0}, "batch"),
+        ({"leave_idle_s": -1.0}, "leave_idle_s"),
         ({"rollout_rate": math.inf}, "rollout_rate"),
     ],
 )
@@ -134,6 +150,11 @@ def test_home_mi50s_and_a_rented_h200_recommend_backlog_and_bursts(capsys: pytes
     assert chosen["backlog_gb"] == pytest.approx(chosen["backlog_groups"] * per_group / 1e9)
     assert "calibrated" in out["provenance"]["trainer memory"]
     assert "estimated" in out["provenance"]["step times and rates"]
+    # The trainer is told to leave well before home's next batch, or a drained burst would stay.
+    assert chosen["mode"] != "backlog" or chosen["leave_when_idle_s"] == pytest.approx(
+        out["sampler_side_s"] / 2, abs=0.05
+    )
+    assert next(m for m in out["costs"] if m["mode"] == "backlog+replica")["leave_when_idle_s"] == 0
     # The old objective still answers the old question.
     code, fast = run_json([*ACCEPTANCE, "--objective", "time"], capsys)
     assert fast["placement"] == "colocated" and fast["step_time_s"] < out["step_time_s"]
@@ -145,6 +166,7 @@ def test_text_output_names_each_way_and_the_recommendation(capsys: pytest.Captur
     for label in ["(a) all-rented", "(b) windowed", "(c) backlog", "(c') backlog+replica", "recommended:"]:
         assert label in text
     assert "bursts/week" in text and "GB at burst start" in text and "calibrated" in text
+    assert "BURSTRL_TRAINER_LEAVE_WHEN_IDLE_S=" in text
 
 
 def test_prices_and_staleness_change_the_answer(capsys: pytest.CaptureFixture[str]) -> None:
