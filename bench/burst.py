@@ -325,30 +325,34 @@ def eval_versions(versions: list[int], also: tuple[int, ...] = ()) -> list[int]:
     return sorted(set(dense) | {v for v in also if v in versions})
 
 
+def _sessions(x: dict[str, Any]) -> list[tuple[float, float, list[dict[str, Any]]]]:
+    """A run's trainer sessions: (spawned, reaped, the steps it made in between)."""
+    return [(a, b, [p for p in x["points"] if a <= p["at"] <= b]) for a, b in x["trainer_intervals"]]
+
+
+def _busy_s(p: dict[str, Any]) -> float:
+    return p["train_s"] + p["publish_s"] + p["checkpoint_s"]
+
+
 def rates(runs: list[dict[str, Any]]) -> dict[str, float]:
-    """Trainer and rollout groups/s measured in the backlog runs (no replica), and start-up seconds."""
+    """Trainer and rollout groups/s measured in the backlog runs (no replica), start-up seconds,
+    and teardown seconds (the drained sessions': the last step's end to the process gone)."""
     bl = [x for x in runs if x["setup"] in RATE_SETUPS]
-    steps = []
-    for x in bl:
-        for a, b in x["trainer_intervals"]:
-            steps += [p for p in x["points"] if a <= p["at"] <= b][1:]  # the session's first step waits on the fetch
-    busy = sum(p["train_s"] + p["publish_s"] + p["checkpoint_s"] for p in steps)
-    trainer = sum(p["groups"] for p in steps) / busy if busy else float("nan")
-    rollout = sum(x["groups_made"] for x in bl) / sum(x["wall_s"] for x in bl) if bl else float("nan")
-    starts, teardowns = [], []
-    for x in bl:  # drained sessions: from the last step's end to the process gone
-        for a, b in x["trainer_intervals"]:
-            last = [p for p in x["points"] if a <= p["at"] <= b][-1:]
-            if last and b - a < x.get("window_s", math.inf) - 1:
-                teardowns.append(b - last[0]["at"])
+    steps, starts, teardowns = [], [], []
     for x in runs:
         if x["setup"] == "trl":
             continue
-        for a, b in x["trainer_intervals"]:
-            first = [p for p in x["points"] if a <= p["at"] <= b][:1]
-            if first:
-                p = first[0]
-                starts.append(p["at"] - (p["train_s"] + p["publish_s"] + p["checkpoint_s"]) - a)
+        for a, b, pts in _sessions(x):
+            if not pts:
+                continue
+            starts.append(pts[0]["at"] - _busy_s(pts[0]) - a)
+            if x in bl:
+                steps += pts[1:]  # the session's first step waits on the fetch
+                if b - a < x.get("window_s", math.inf) - 1:  # it left before the window closed
+                    teardowns.append(b - pts[-1]["at"])
+    busy = sum(_busy_s(p) for p in steps)
+    trainer = sum(p["groups"] for p in steps) / busy if busy else float("nan")
+    rollout = sum(x["groups_made"] for x in bl) / sum(x["wall_s"] for x in bl) if bl else float("nan")
     return {
         "trainer_gps": round(trainer, 2),
         "rollout_gps": round(rollout, 2),

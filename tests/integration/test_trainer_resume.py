@@ -229,9 +229,12 @@ def test_a_drained_backlog_ends_the_session_and_its_partial_batch_waits_for_the_
     assert r.xpending(keys.ready(JOB), keys.GROUP_TRAINER)["pending"] == 0
 
 
-def _trainer_process(run: Run, redis_server, tmp_path: Path, *args: str) -> tuple[subprocess.Popen, Path]:  # noqa: ANN001
-    """python -m services.trainer for Run's job, logging to tmp_path/trainer.log."""
-    env = {
+def _trainer_process(  # noqa: ANN001
+    run: Run, redis_server, tmp_path: Path, *args: str, env: dict[str, str] | None = None, name: str = "trainer"
+) -> tuple[subprocess.Popen, Path]:
+    """python -m services.trainer for Run's job (`env` on top of the defaults), logging to
+    tmp_path/<name>.log."""
+    full = {
         **os.environ,
         "REDIS_URL": redis_server.url,
         "STORE_URL": run.store.url,
@@ -241,12 +244,13 @@ def _trainer_process(run: Run, redis_server, tmp_path: Path, *args: str) -> tupl
         "BURSTRL_TRAINER_DEVICE": "cpu",
         "BURSTRL_TRAINER_CHECKPOINT_EVERY": "100",
         "BURSTRL_TRAINER_THREADS": "1",
+        **(env or {}),
     }
     root = Path(__file__).resolve().parents[2]
-    log = tmp_path / "trainer.log"
+    log = tmp_path / f"{name}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.trainer", *args], cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "services.trainer", *args], cwd=root, env=full, stdout=out, stderr=subprocess.STDOUT
         )
     return proc, log
 
@@ -416,30 +420,14 @@ def test_sigstopped_trainer_is_deposed_and_the_job_counts_each_group_once(r, tmp
 
     steps = 30
     run = Run(r, tmp_path, model_dir, checkpoint_every=1, steps=steps, data_steps=steps)
-    env = {
-        **os.environ,
-        "REDIS_URL": redis_server.url,
-        "STORE_URL": run.store.url,
-        "BURSTRL_DEV": "1",
-        "BURSTRL_TRAINER_JOB": JOB,
-        "BURSTRL_TRAINER_DEVICE": "cpu",
-        "BURSTRL_TRAINER_CHECKPOINT_EVERY": "1",
-        "BURSTRL_TRAINER_THREADS": "1",
-        "BURSTRL_TRAINER_LEASE_S": "5",
-    }
-    root = Path(__file__).resolve().parents[2]
+    env = {"BURSTRL_TRAINER_CHECKPOINT_EVERY": "1", "BURSTRL_TRAINER_LEASE_S": "5"}
     procs: dict[str, subprocess.Popen] = {}
-    logs = {n: tmp_path / f"trainer-{n}.log" for n in ("a", "b")}
+    logs: dict[str, Path] = {}
 
     def start(name: str) -> None:
-        with logs[name].open("wb") as f:
-            procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "services.trainer"],
-                cwd=root,
-                env={**env, "BURSTRL_PORT": str(free_port()), "BURSTRL_REPLICA": f"trainer-{name}"},
-                stdout=f,
-                stderr=subprocess.STDOUT,
-            )
+        procs[name], logs[name] = _trainer_process(
+            run, redis_server, tmp_path, env={**env, "BURSTRL_REPLICA": f"trainer-{name}"}, name=f"trainer-{name}"
+        )
 
     def wait(pred, what: str, timeout: float = 240) -> None:  # noqa: ANN001
         deadline = Deadline(timeout)
