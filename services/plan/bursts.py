@@ -103,15 +103,7 @@ def predict_bursts(
     f = mixed = 0.0
     # (With trainer_rate <= rollout_rate the backlog never empties: the window limits, below.)
     fed = replica_rate <= 0 and leave_idle_s > 0 and r_t > r_h > 0 and batch / r_h < leave_idle_s
-    if fed:
-        # Like the replica case without the replica: the trainer stays to the window's end, so
-        # the backlog holds what was made since then (the fed phase kept it empty).
-        backlog = min(r_h * (P - W + startup_s), backlog_cap)
-        drain = min(room, backlog / (r_t - r_h))
-        mixed = room - drain
-        trained = r_t * drain + r_h * mixed
-        billable, limited = W, "fed"
-    elif replica_rate <= 0:
+    if replica_rate <= 0 and not fed:
         if r_t > r_h:
             drain = r_h * P / r_t  # steady state: train what one period produced
             backlog = r_h * (P - drain)  # produced since the last burst's training ended
@@ -125,7 +117,10 @@ def predict_bursts(
         trained = r_t * drain
         billable = min(W, startup_s + drain + teardown_s) if drain > 0 else min(startup_s + teardown_s, W)
     else:
-        # Production since the last window closed (the mixed phase kept the backlog empty).
+        # A replica, or rollout feeding a trainer that never leaves: either way the trainer holds
+        # the window, and the backlog holds what was made since the last one closed (the mixed
+        # phase kept it empty). Fed, with no replica, f = (r_t - r_h) / r_t: the trainer runs at
+        # rollout's pace, idle the rest of the time.
         backlog = min(r_h * (P - W + startup_s), backlog_cap)
         if r_t > r_h:
             drain = min(room, backlog / (r_t - r_h))
@@ -134,7 +129,9 @@ def predict_bursts(
             drain = room  # the trainer is the bottleneck: a replica would only slow it
         mixed = room - drain
         trained = r_t * drain + (1 - f) * r_t * mixed
-        billable, limited = W, "window"
+        billable, limited = W, "fed" if fed else "window"
+        if fed:
+            f = 0.0  # no card share goes to a replica
     home_made = trained - f * replica_rate * mixed
     if limited == "window" and math.isinf(backlog_cap):
         home_made = r_h * P  # the backlog grows without bound: nothing idles (not a steady state)
