@@ -41,21 +41,29 @@ def own_uid_pool(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     limits._settings = before
 
 
-def sandbox_pids(pool: limits.SandboxSettings | None = None) -> list[int]:
-    """Processes running as any uid of the sandbox pool (there must be none between runs)."""
+def sandbox_pids(pool: limits.SandboxSettings | None = None, *, under: int | None = None) -> list[int]:
+    """Processes running as any uid of the sandbox pool (there must be none between runs);
+    `under`: only those descended from that pid."""
     s = pool or settings()
     lo, hi = s.uid_base, s.uid_base + s.uid_count
-    pids = []
+    procs: dict[int, tuple[int, int]] = {}  # pid -> (uid, parent pid)
     for p in Path("/proc").iterdir():
         if not p.name.isdigit():
             continue
         try:
-            uid = int(next(ln for ln in (p / "status").read_text().splitlines() if ln.startswith("Uid:")).split()[1])
-        except (OSError, StopIteration):
+            fields = dict(ln.split(":", 1) for ln in (p / "status").read_text().splitlines() if ":" in ln)
+            procs[int(p.name)] = (int(fields["Uid"].split()[0]), int(fields["PPid"]))
+        except (OSError, KeyError, ValueError):
             continue
-        if lo <= uid < hi:
-            pids.append(int(p.name))
-    return pids
+
+    def descends(pid: int) -> bool:
+        while pid > 1 and pid in procs:
+            if pid == under:
+                return True
+            pid = procs[pid][1]
+        return False
+
+    return [pid for pid, (uid, _) in procs.items() if lo <= uid < hi and (under is None or descends(pid))]
 
 
 def assert_zero(r: RunResult, *reasons: str) -> None:
@@ -225,10 +233,10 @@ def test_a_sandboxed_run_in_another_process_is_not_counted_as_ours() -> None:
     try:
         default = limits.SandboxSettings()  # the pool the other process uses
         deadline = time.monotonic() + 60
-        while not sandbox_pids(default):
+        while not sandbox_pids(default, under=other.pid):  # its run, not another worker's
             assert other.poll() is None and time.monotonic() < deadline, "the other process never ran its code"
             time.sleep(0.05)
         assert_zero(run_code("def f(:\n", DOUBLE, TIGHT), "syntax_error")
-        assert sandbox_pids(default), "the other run ended before the check: it proved nothing"
+        assert sandbox_pids(default, under=other.pid), "the other run ended before the check: it proved nothing"
     finally:
         other.wait(timeout=60)
