@@ -8,6 +8,7 @@ shared machine.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -41,17 +42,22 @@ def own_uid_pool(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     limits._settings = before
 
 
-def sandbox_pids(pool: limits.SandboxSettings | None = None, *, under: int | None = None) -> list[int]:
+def sandbox_pids(
+    pool: limits.SandboxSettings | None = None, *, under: int | None = None, named: str | None = None
+) -> list[int]:
     """Processes running as any uid of the sandbox pool (there must be none between runs);
-    `under`: only those descended from that pid."""
+    `under`: only those descended from that pid; `named`: only those whose comm is that."""
     s = pool or settings()
     lo, hi = s.uid_base, s.uid_base + s.uid_count
     procs: dict[int, tuple[int, int]] = {}  # pid -> (uid, parent pid)
+    procs_named: set[int] = set()
     for p in Path("/proc").iterdir():
         if not p.name.isdigit():
             continue
         try:
             fields = dict(ln.split(":", 1) for ln in (p / "status").read_text().splitlines() if ":" in ln)
+            if named is None or fields["Name"].strip() == named:
+                procs_named.add(int(p.name))
             procs[int(p.name)] = (int(fields["Uid"].split()[0]), int(fields["PPid"]))
         except (OSError, KeyError, ValueError):
             continue
@@ -63,7 +69,11 @@ def sandbox_pids(pool: limits.SandboxSettings | None = None, *, under: int | Non
             pid = procs[pid][1]
         return False
 
-    return [pid for pid, (uid, _) in procs.items() if lo <= uid < hi and (under is None or descends(pid))]
+    return [
+        pid
+        for pid, (uid, _) in procs.items()
+        if lo <= uid < hi and pid in procs_named and (under is None or descends(pid))
+    ]
 
 
 def assert_zero(r: RunResult, *reasons: str) -> None:
@@ -219,24 +229,38 @@ def test_syntax_error() -> None:
 def test_a_sandboxed_run_in_another_process_is_not_counted_as_ours() -> None:
     """Another process (a reward service under a second test worker) runs code in the default
     pool meanwhile: this module's runs still find no process of theirs left behind."""
+    # The other run sleeps far longer than the check can take on a loaded machine, and the test
+    # ends it itself once the check is done: a fixed sleep raced the check under load (CI once
+    # took over 12 s for the two runs below, and the other run had ended by then).
     other = subprocess.Popen(
         [
             sys.executable,
             "-c",
             "from shared.domain.sandbox import Limits, run_code\n"
-            "run_code('import time\\ntime.sleep(12)\\n', [{'stdin': '', 'stdout': 'x'}],"
-            " Limits(cpu_s=2, wall_s=15.0, memory_mb=256, nproc=32, nofile=64, max_output=1 << 16))\n",
+            "run_code('import time\\ntime.sleep(300)\\n', [{'stdin': '', 'stdout': 'x'}],"
+            " Limits(cpu_s=2, wall_s=330.0, memory_mb=256, nproc=32, nofile=64, max_output=1 << 16))\n",
         ],
         cwd=ROOT,
         env={k: v for k, v in os.environ.items() if not k.startswith("BURSTRL_SANDBOX_")},
     )
+    default = limits.SandboxSettings()  # the pool the other process uses
     try:
-        default = limits.SandboxSettings()  # the pool the other process uses
         deadline = time.monotonic() + 60
-        while not sandbox_pids(default, under=other.pid):  # its run, not another worker's
+        # its run (the `unshare` that holds the run's namespaces; a preflight step also runs as
+        # the slot's uid, briefly), not another worker's
+        while not sandbox_pids(default, under=other.pid, named="unshare"):
             assert other.poll() is None and time.monotonic() < deadline, "the other process never ran its code"
             time.sleep(0.05)
         assert_zero(run_code("def f(:\n", DOUBLE, TIGHT), "syntax_error")
-        assert sandbox_pids(default, under=other.pid), "the other run ended before the check: it proved nothing"
+        assert sandbox_pids(default, under=other.pid, named="unshare"), "the other run ended before the check"
     finally:
-        other.wait(timeout=60)
+        theirs = sandbox_pids(default, under=other.pid)
+        # SIGINT: its run_code unwinds and kills its run the product's way (kill_run: the
+        # namespace's init, which unshare reaps). SIGKILLing them all from here would kill
+        # unshare first and leave init to be reaped by whoever adopts it.
+        other.send_signal(signal.SIGINT)
+        try:
+            other.wait(timeout=60)
+        finally:
+            other.kill()
+    assert not set(theirs) & set(sandbox_pids(default)), "the other run's processes outlived it"
