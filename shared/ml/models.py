@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from shared.ml import build_cache
 from shared.ml.threads import one_thread
 
 DONE = "burstrl_ready.json"
@@ -28,7 +30,7 @@ def _ensure_warm_started(
     from shared.ml.sft import sft_warm_start
 
     sft = (note, lambda base, into: sft_warm_start(base, into, **sft_args))
-    return _build_once(out, recipe, what=what, sft=sft, force=force, log=log)
+    return _build_once(out, recipe, what=what, sft=sft, force=force, log=log, cached=True)
 
 
 def _build_once(
@@ -39,16 +41,26 @@ def _build_once(
     sft: tuple[str, Callable[[Path, Path], object]],
     force: bool,
     log: Callable[[str], None],
+    cached: bool = False,
 ) -> Path:
     """Random-init tiny model in `out`-base, then `sft` (a log line, a base -> out trainer) into
-    `out`; skipped when `out` already holds this recipe's model."""
+    `out`; skipped when `out` already holds this recipe's model. `cached`: `sft` is one of this
+    module's own (fixed in shared/'s source), so the build may come from, and goes to, the
+    machine's model cache (shared/ml/build_cache.py); `force` rebuilds without reading it."""
     out = out.resolve()
     if (out / DONE).exists() and not force and json.loads((out / DONE).read_text()).get("recipe") == recipe:
         return out
     with _building(out):
         if (out / DONE).exists() and not force and json.loads((out / DONE).read_text()).get("recipe") == recipe:
             return out  # another process built it while this one waited
-        return _build(out, recipe, what=what, sft=sft, log=log)
+        key = build_cache.build_key({"recipe": recipe}) if cached else None
+        if key and not force and build_cache.restore(key, out):
+            log(f"the {what} ({recipe}) came from the model cache ({build_cache.cache_root()}/{key})")
+            return out
+        _build(out, recipe, what=what, sft=sft, log=log)
+        if key:
+            build_cache.store(key, out)
+        return out
 
 
 @contextlib.contextmanager
@@ -109,6 +121,7 @@ def ensure_rg_model(out: Path, *, force: bool = False, log: Callable[[str], None
         sft=(f"SFT warm-start on {RG_TASK} train items (about 90 s on 2 cores)", lambda base, out: sft_rg(base, out)),
         force=force,
         log=log,
+        cached=True,
     )
 
 
@@ -126,7 +139,16 @@ def ensure_teacher_model(out: Path, student: Path, *, force: bool = False, log: 
     with _building(out):
         if (out / DONE).exists() and not force and json.loads((out / DONE).read_text()) == want:
             return out
-        return _build_teacher(out, student, want, log)
+        # keyed by the student's weights, not its path: the same student in another clone
+        student_digest = hashlib.sha256((student / "model.safetensors").read_bytes()).hexdigest()
+        key = build_cache.build_key({"recipe": TEACHER_RECIPE, "student": student_digest})
+        if not force and build_cache.restore(key, out):
+            (out / DONE).write_text(json.dumps(want))  # this clone's student path
+            log(f"the distillation teacher came from the model cache ({build_cache.cache_root()}/{key})")
+            return out
+        _build_teacher(out, student, want, log)
+        build_cache.store(key, out)
+        return out
 
 
 def _build_teacher(out: Path, student: Path, want: dict[str, str], log: Callable[[str], None]) -> Path:
@@ -188,6 +210,7 @@ def _ensure_tool_model(
         ),
         force=force,
         log=log,
+        cached=True,
     )
 
 

@@ -19,6 +19,7 @@ SFT) to clear the same bar, at 20 it fell just short once (+0.148); it is checke
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ import pytest
 from services.cli.demo import DEMO_CALC_JOB
 from shared.ml.models import ensure_calc_model
 from tests.support import ROOT
-from tests.support.stack import service_stack, wait_for
+from tests.support.stack import ServiceStack, service_stack, wait_for
 
 ROLES = ["api", "reward", "rollout", "trainer"]  # no KL term and no teacher: no ref stage
 STEPS = 20
@@ -46,40 +47,49 @@ JOBS: dict[str, dict[str, Any]] = {
 }
 
 
-def run_job(
-    tmp_path: Path, model: Path, job: dict[str, Any], steps: int
-) -> tuple[dict, dict[str, list[dict]], float, float]:
-    """Run `job` for `steps` on a fresh local stack; the final status, the metrics points by
-    source, and the seconds until the services were ready and in all."""
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServiceStack, Path, float]]:
+    """One stack for both variants, one job after the other: a second stack's start (vLLM's
+    engine, the trainer's imports) cost half a minute of the suite's CPU and tested nothing more.
+    (The stack, the model, the seconds until its services were ready.)"""
+    home = tmp_path_factory.mktemp("calc-stack")
+    model = ensure_calc_model(ROOT / ".burstrl" / "models" / "tiny-calc")
     with service_stack(
-        tmp_path, model, ROLES, env_extra={"BURSTRL_DEV": "1"}, store_url=f"file://{tmp_path / 'store'}"
-    ) as stack:
-        t0 = stack.started_at
-        t_ready = time.time() - t0
-        api = stack.api
-        resp = httpx.post(f"{api}/v1/jobs", json={**job, "steps": steps, "base_model": str(model)}, timeout=10)
-        assert resp.status_code in (200, 201), resp.text
-        job_id = resp.json()["id"]
+        home, model, ROLES, env_extra={"BURSTRL_DEV": "1"}, store_url=f"file://{home / 'store'}"
+    ) as started:
+        yield started, model, time.time() - started.started_at
 
-        def done() -> dict | None:
-            s = httpx.get(f"{api}/v1/jobs/{job_id}", timeout=10).json()
-            finished = s["job"]["state"] == "completed" and s["evals"] and s["evals"][-1]["version"] == steps
-            return s if finished else None
 
-        final = wait_for(done, 600, "job completion and final eval", stack.launcher)
-        points = {
-            src: httpx.get(f"{api}/v1/jobs/{job_id}/metrics", params={"source": src}, timeout=10).json()
-            for src in ("trainer", "rollout_env", "reward")
-        }
-    return final, points, t_ready, time.time() - t0
+def run_job(
+    stack: ServiceStack, model: Path, job: dict[str, Any], steps: int
+) -> tuple[dict, dict[str, list[dict]], float]:
+    """Run `job` for `steps` on the module's stack; the final status, the metrics points by
+    source, and the seconds it took."""
+    t0 = time.time()
+    api = stack.api
+    resp = httpx.post(f"{api}/v1/jobs", json={**job, "steps": steps, "base_model": str(model)}, timeout=10)
+    assert resp.status_code in (200, 201), resp.text
+    job_id = resp.json()["id"]
+
+    def done() -> dict | None:
+        s = httpx.get(f"{api}/v1/jobs/{job_id}", timeout=10).json()
+        finished = s["job"]["state"] == "completed" and s["evals"] and s["evals"][-1]["version"] == steps
+        return s if finished else None
+
+    final = wait_for(done, 600, "job completion and final eval", stack.launcher)
+    points = {
+        src: httpx.get(f"{api}/v1/jobs/{job_id}/metrics", params={"source": src}, timeout=10).json()
+        for src in ("trainer", "rollout_env", "reward")
+    }
+    return final, points, time.time() - t0
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("level", list(JOBS))
-def test_tool_use_policy_learns_to_call_the_tool(tmp_path: Path, level: str) -> None:
-    model = ensure_calc_model(ROOT / ".burstrl" / "models" / "tiny-calc")
+def test_tool_use_policy_learns_to_call_the_tool(stack: tuple[ServiceStack, Path, float], level: str) -> None:
+    services, model, t_ready = stack
     job, steps = JOBS[level], STEPS
-    final, points, t_ready, elapsed = run_job(tmp_path, model, job, steps)
+    final, points, elapsed = run_job(services, model, job, steps)
 
     evals = final["evals"]
     table = [
@@ -87,7 +97,7 @@ def test_tool_use_policy_learns_to_call_the_tool(tmp_path: Path, level: str) -> 
         for e in evals
     ]
     rew = [round(p["reward_mean"], 3) for p in points["trainer"]]
-    print(f"\n[{level}] ready after {t_ready:.0f}s, total {elapsed:.0f}s")
+    print(f"\n[{level}] stack ready after {t_ready:.0f}s, this job {elapsed:.0f}s")
     print("held-out (version, pass@1, greedy, tool calls/episode):", table)
     print("train reward by step:", rew)
     print("trainer turns per episode by step:", [round(p.get("turns_mean", -1.0), 2) for p in points["trainer"]])
