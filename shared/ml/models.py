@@ -54,13 +54,21 @@ def _build_once(
         if (out / DONE).exists() and not force and json.loads((out / DONE).read_text()).get("recipe") == recipe:
             return out  # another process built it while this one waited
         key = build_cache.build_key({"recipe": recipe}) if cached else None
-        if key and not force and build_cache.restore(key, out):
-            log(f"the {what} ({recipe}) came from the model cache ({build_cache.cache_root()}/{key})")
-            return out
-        _build(out, recipe, what=what, sft=sft, log=log)
-        if key:
-            build_cache.store(key, out)
+        _restore_or_build(out, key, what, lambda: _build(out, recipe, what=what, sft=sft, log=log), force, log)
         return out
+
+
+def _restore_or_build(
+    out: Path, key: str | None, what: str, build: Callable[[], object], force: bool, log: Callable[[str], None]
+) -> None:
+    """`out` from the model cache's entry `key` (shared/ml/build_cache.py) unless `force`, else
+    `build()` it and store it there; no `key`: always build, never store."""
+    if key and not force and build_cache.restore(key, out):
+        log(f"the {what} came from the model cache ({build_cache.cache_root()}/{key})")
+        return
+    build()
+    if key:
+        build_cache.store(key, out)
 
 
 @contextlib.contextmanager
@@ -142,24 +150,18 @@ def ensure_teacher_model(out: Path, student: Path, *, force: bool = False, log: 
         # keyed by the student's weights, not its path: the same student in another clone
         student_digest = hashlib.sha256((student / "model.safetensors").read_bytes()).hexdigest()
         key = build_cache.build_key({"recipe": TEACHER_RECIPE, "student": student_digest})
-        if not force and build_cache.restore(key, out):
-            (out / DONE).write_text(json.dumps(want))  # this clone's student path
-            log(f"the distillation teacher came from the model cache ({build_cache.cache_root()}/{key})")
-            return out
-        _build_teacher(out, student, want, log)
-        build_cache.store(key, out)
+        _restore_or_build(out, key, "distillation teacher", lambda: _build_teacher(out, student, log), force, log)
+        (out / DONE).write_text(json.dumps(want))  # last: this clone's student path, also on a restore
         return out
 
 
-def _build_teacher(out: Path, student: Path, want: dict[str, str], log: Callable[[str], None]) -> Path:
+def _build_teacher(out: Path, student: Path, log: Callable[[str], None]) -> None:
     from shared.ml.sft import sft_warm_start
 
     shutil.rmtree(out, ignore_errors=True)
     log(f"building the distillation teacher in {out} (SFT of {student} on clean demonstrations)")
     sft_warm_start(student, out, steps=300, batch_size=128, learning_rate=1e-3, seed=1, correct_fraction=1.0)
     shutil.rmtree(out / "_sft_run", ignore_errors=True)
-    (out / DONE).write_text(json.dumps(want))
-    return out
 
 
 # The long-completion model of the TRL comparison (bench/trl_compare.py --task countup): the

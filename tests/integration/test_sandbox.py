@@ -49,16 +49,13 @@ def sandbox_pids(
     `under`: only those descended from that pid; `named`: only those whose comm is that."""
     s = pool or settings()
     lo, hi = s.uid_base, s.uid_base + s.uid_count
-    procs: dict[int, tuple[int, int]] = {}  # pid -> (uid, parent pid)
-    procs_named: set[int] = set()
+    procs: dict[int, tuple[int, int, str]] = {}  # pid -> (uid, parent pid, comm)
     for p in Path("/proc").iterdir():
         if not p.name.isdigit():
             continue
         try:
             fields = dict(ln.split(":", 1) for ln in (p / "status").read_text().splitlines() if ":" in ln)
-            if named is None or fields["Name"].strip() == named:
-                procs_named.add(int(p.name))
-            procs[int(p.name)] = (int(fields["Uid"].split()[0]), int(fields["PPid"]))
+            procs[int(p.name)] = (int(fields["Uid"].split()[0]), int(fields["PPid"]), fields["Name"].strip())
         except (OSError, KeyError, ValueError):
             continue
 
@@ -71,8 +68,8 @@ def sandbox_pids(
 
     return [
         pid
-        for pid, (uid, _) in procs.items()
-        if lo <= uid < hi and pid in procs_named and (under is None or descends(pid))
+        for pid, (uid, _, name) in procs.items()
+        if lo <= uid < hi and named in (None, name) and (under is None or descends(pid))
     ]
 
 
