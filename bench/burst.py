@@ -50,7 +50,11 @@ trainer rates, start-up (process start to the first step's start, median), teard
 step's end to the process reaped, median over the drained sessions) and duty cycle; its
 billable share against the measured billable seconds / wall seconds.
 
-    .venv/bin/python bench/burst.py [--full] [--setups windowed,tis,m2po,m2po_limit,replica,trl] [--out docs/bench/burst.md]
+    .venv/bin/python bench/burst.py [--full] [--setups windowed,tis,m2po,m2po_limit,replica,trl] [--k-target 4] [--out docs/bench/burst.md]
+
+`--k-target K` first calibrates the quota to k = K (`calibrate`: rollout probed at --rollout-cpu and
+twice that, the trainer draining what they made, a power law between the probes: `quota_for_k`);
+the runs' measured k is what the page states either way.
 
 Over ~400 lines: the four setups, the lag table and the planner check share one stack, one
 billable clock and one report, so that the ratios are measured side by side in the same run.
@@ -276,6 +280,74 @@ def replica_startup(stack: Stack) -> float:
         stack.launcher.stop("rollout2", timeout=90)
 
 
+# -- the quota that gives a target k ------------------------------------------------------------------
+PROBE_S = 40.0  # seconds of rollout per probe quota
+QUOTA_BOUNDS = (0.02, 1.5)  # cores: below, vLLM's engine misses its heartbeats; above, 2 cores hold both sides
+
+
+def quota_for_k(
+    k_target: float, trainer_gps: float, probes: list[tuple[float, float]], bounds: tuple[float, float] = QUOTA_BOUNDS
+) -> tuple[float, float]:
+    """The quota (cores) at which rollout makes trainer_gps / k_target groups/s, and the exponent used.
+
+    `probes` are two (quota, rollout groups/s) measurements. Rollout's rate is not linear in its
+    quota (per-pass overheads, and the rest of the box's load moves it: 0.16 core gave k 5.45 and
+    0.32 gave 2.27 on one day), so the two points fit a power law rate = c * quota**alpha, alpha
+    clamped to [0.5, 2] (two noisy points can give any slope), and the target rate is solved from
+    the probe nearer to it. The result is clamped to `bounds`."""
+    if not (math.isfinite(k_target) and k_target > 0):
+        raise ValueError(f"k_target must be a positive number, got {k_target}")
+    if not (math.isfinite(trainer_gps) and trainer_gps > 0):
+        raise ValueError(f"trainer_gps must be positive (the trainer made no steps?), got {trainer_gps}")
+    if len(probes) != 2 or any(not (q > 0 and r > 0) for q, r in probes) or probes[0][0] == probes[1][0]:
+        raise ValueError(f"probes must be two (quota > 0, groups/s > 0) at different quotas, got {probes}")
+    (q1, r1), (q2, r2) = probes
+    alpha = min(2.0, max(0.5, math.log(r2 / r1) / math.log(q2 / q1)))
+    want = trainer_gps / k_target
+    q0, r0 = min(probes, key=lambda p: abs(math.log(p[1] / want)))
+    quota = q0 * (want / r0) ** (1 / alpha)
+    return round(min(bounds[1], max(bounds[0], quota)), 3), round(alpha, 3)
+
+
+def calibrate(stack: Stack, q: CpuQuota, k_target: float, q_start: float) -> dict[str, Any]:
+    """Measure rollout's groups/s at q_start and 2 x q_start (PROBE_S each, no trainer), then the
+    trainer's groups/s while it drains what they made, and set the quota quota_for_k gives. Its own
+    job, cancelled after; the measured k of the runs is still what the report states."""
+    job_id = submit(stack, {**JOB, **SETUPS["m2po"], "name": "calibrate-quota"})
+    r = stack.r
+    probes = []
+    for quota in (q_start, 2 * q_start):
+        q.set(quota)
+        time.sleep(8)  # the job adopted, and the new quota's first periods past
+        t = time.time()
+        time.sleep(PROBE_S)
+        made = sum(int(p["groups"]) for p in read_points(r, job_id, "rollout") if t <= p["at"] <= t + PROBE_S)
+        probes.append((quota, made / PROBE_S))
+        print(f"calibrate: quota {quota:.3f} core: rollout {made / PROBE_S:.2f} groups/s", flush=True)
+    stack.start("trainer", {"BURSTRL_TRAINER_LEAVE_WHEN_IDLE_S": str(LEAVE_IDLE_S)})
+    deadline = time.time() + 240
+    while alive(stack.pid("trainer")) and time.time() < deadline:
+        time.sleep(0.5)
+    _stop(stack, "trainer")
+    httpx.post(f"{stack.api}/v1/jobs/{job_id}/cancel", timeout=30)
+    pts = sorted(read_points(r, job_id, "trainer"), key=lambda p: p["step"])[1:]  # the first waits on the fetch
+    busy = sum(_busy_s(p) for p in pts)
+    trainer_gps = sum(p["groups"] for p in pts) / busy if busy else float("nan")
+    quota, alpha = quota_for_k(k_target, trainer_gps, probes)
+    q.set(quota)
+    print(
+        f"calibrate: trainer {trainer_gps:.2f} groups/s; alpha {alpha}; quota {quota} core for k {k_target}", flush=True
+    )
+    return {
+        "k_target": k_target,
+        "probes": probes,
+        "trainer_gps": round(trainer_gps, 2),
+        "alpha": alpha,
+        "quota": quota,
+        "steps": len(pts),
+    }
+
+
 # -- learning against lag -----------------------------------------------------------------------------
 def lag_run(stack: Stack, lag: int, mismatch: str, steps: int, timeout: float = 900) -> dict[str, Any]:
     r = stack.r
@@ -385,13 +457,21 @@ def report(cmd: str, a: argparse.Namespace, res: dict[str, Any]) -> str:
     runs, rt, thr = res["runs"], res["rates"], a.threshold
     budget = res["budget_s"]
     by = {x["setup"]: x for x in runs}
+    quota, cal = res.get("rollout_cpu", a.rollout_cpu), res.get("calibration")
+    calibrated = (
+        f" (calibrated to k {cal['k_target']} before the runs: rollout {cal['probes'][0][1]:.2f} / "
+        f"{cal['probes'][1][1]:.2f} groups/s at {cal['probes'][0][0]} / {cal['probes'][1][0]} core, the trainer "
+        f"{cal['trainer_gps']} groups/s, a power law of exponent {cal['alpha']} between them; `quota_for_k`)"
+        if cal
+        else ""
+    )
     lines = ["## Bursts that pay off: billable seconds to learn (issue 20)", "", f"`{cmd}`", ""]
     if res.get("machine"):
         lines += [res["machine"], ""]
     lines += [
         f"One stack, tiny model, task {TASK}, G {G}, batch {BATCH}, lr {LR}, no KL; the trainer alive only in a "
         f"{a.duty:.0%} window of each {a.cycle_s:.0f} s cycle ({a.cycles} cycles per setup); rollout and reward in a "
-        f"cgroup v1 cpu quota of {a.rollout_cpu} core. **Measured k = {rt['k']}** (trainer {rt['trainer_gps']} "
+        f"cgroup v1 cpu quota of {quota} core{calibrated}. **Measured k = {rt['k']}** (trainer {rt['trainer_gps']} "
         f"groups/s while training / rollout {rt['rollout_gps']} groups/s); trainer start-up (spawn to its first "
         f"step) median {rt['startup_s']} s (from {rt['startup_range_s'][0]} to {rt['startup_range_s'][-1]} s: the box "
         "is shared, and its load moves between windows). Billable = trainer (+ replica) alive, spawn to reaped. Threshold "
@@ -598,6 +678,12 @@ def main() -> None:
     # made ~30 groups/s under a 0.3-core quota and ~1 under 0.025 (not linear: per-pass overheads):
     # 0.08 of a core aims at the planner's k of about 4. k is measured and reported either way.
     ap.add_argument("--rollout-cpu", type=float, default=0.08, help="The inference side's cpu quota, in cores.")
+    ap.add_argument(
+        "--k-target",
+        type=float,
+        default=0.0,
+        help="Calibrate the quota to this k first (two rollout probes from --rollout-cpu, then a trainer drain).",
+    )
     ap.add_argument("--threshold", type=float, default=0.5)
     ap.add_argument("--lags", default="1,8,32,128")
     ap.add_argument("--lag-steps", type=int, default=0, help="Steps of each lag job (default 24; --full 160).")
@@ -609,6 +695,8 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if not 0 < a.duty <= 1:
         ap.error(f"--duty must be in (0, 1], got {a.duty}")
+    if not (a.k_target == 0 or (math.isfinite(a.k_target) and a.k_target > 0)):
+        ap.error(f"--k-target must be a positive number (0: no calibration), got {a.k_target}")
     a.cycles = a.cycles or (3 if a.full else 2)
     a.cycle_s = a.cycle_s or (300.0 if a.full else 140.0)
     a.lag_steps = a.lag_steps or (160 if a.full else 16)
@@ -635,6 +723,9 @@ def main() -> None:
         ):
             for name in ("rollout", "reward"):
                 q.add(stack.pid(name))
+            if a.k_target:
+                res["calibration"] = calibrate(stack, q, a.k_target, a.rollout_cpu)
+            res["rollout_cpu"] = res["calibration"]["quota"] if a.k_target else a.rollout_cpu
             for s in stack_setups:
                 res["runs"].append(burst_run(stack, s, a))
                 res.setdefault("cgroup", []).append({"after": s, **q.stat()})

@@ -54,3 +54,46 @@ def test_cpu_profile_passes_on_the_commands_exit_code_and_refuses_no_command():
     assert failed.returncode == 3
     none = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert none.returncode == 2 and "give the command" in none.stderr
+
+
+# bench/burst.py's quota_for_k, run in a child as `make bench` runs it; cases by hand below.
+QUOTA_FOR_K = """
+import json, math, sys
+from bench.burst import quota_for_k
+out = []
+for case in json.loads(sys.argv[1]):
+    try:
+        out.append(list(quota_for_k(*case)))
+    except ValueError as e:
+        out.append(str(e))
+print(json.dumps(out))
+"""
+
+
+def test_burst_quota_for_k_solves_the_power_law_through_two_probes():
+    cases = [
+        # alpha = log(4/2)/log(0.2/0.1) = 1; want 40/4 = 10 groups/s from the nearer probe (0.2, 4): 0.2 * 10/4
+        [4.0, 40.0, [[0.1, 2.0], [0.2, 4.0]]],
+        # alpha = log(4/1)/log 2 = 2; want 36/4 = 9 from (0.2, 4): 0.2 * (9/4) ** 0.5 = 0.3
+        [4.0, 36.0, [[0.1, 1.0], [0.2, 4.0]]],
+        # a flat pair (alpha 0.014) is clamped to 0.5: 0.2 * (10/2.02) ** 2 = 4.9 cores, clamped to 1.5
+        [4.0, 40.0, [[0.1, 2.0], [0.2, 2.02]]],
+        # the nearer probe is the first: want 1; 0.1 * (1/2) ** 1 = 0.05
+        [10.0, 10.0, [[0.1, 2.0], [0.2, 4.0]]],
+        [0.0, 40.0, [[0.1, 2.0], [0.2, 4.0]]],
+        [4.0, float("nan"), [[0.1, 2.0], [0.2, 4.0]]],
+        [4.0, 40.0, [[0.1, 2.0], [0.1, 4.0]]],
+        [4.0, 40.0, [[0.1, 0.0], [0.2, 4.0]]],
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", QUOTA_FOR_K, json.dumps(cases)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got[0] == [0.5, 1.0]
+    assert got[1] == [0.3, 2.0]
+    assert got[2] == [1.5, 0.5]
+    assert got[3] == [0.05, 1.0]
+    assert "k_target must be a positive number" in got[4]
+    assert "trainer_gps must be positive" in got[5]
+    assert "different quotas" in got[6] and "different quotas" in got[7]
