@@ -18,11 +18,11 @@ import pytest
 from services.cli.launch import free_port, terminate
 from services.ref.engine import HFScorer, RefScorer, Rejected, Seq, build_scorer
 from services.ref.settings import RefSettings
-from tests.support.numerics import FP32_LOGPROB_TOL
+from tests.support.numerics import FP32_ENGINE_LOGPROB_TOL, FP32_LOGPROB_TOL
 from tests.support.rollout import wait_vllm_server
 
 pytestmark = pytest.mark.slow
-TOL = 1e-4  # max |difference| per token between engines (fp32 everywhere)
+TOL = FP32_ENGINE_LOGPROB_TOL  # max |difference| per token between engines (fp32 everywhere)
 
 
 @pytest.fixture(scope="module")

@@ -233,6 +233,10 @@ def test_a_sandboxed_run_in_another_process_is_not_counted_as_ours() -> None:
         [
             sys.executable,
             "-c",
+            # SIGINT ends it below: restore Python's handler, which a parent started in the
+            # background without job control (`cmd &` in a script) leaves ignored, and Python
+            # then keeps ignoring it.
+            "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "from shared.domain.sandbox import Limits, run_code\n"
             "run_code('import time\\ntime.sleep(300)\\n', [{'stdin': '', 'stdout': 'x'}],"
             " Limits(cpu_s=2, wall_s=330.0, memory_mb=256, nproc=32, nofile=64, max_output=1 << 16))\n",

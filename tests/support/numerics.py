@@ -8,6 +8,14 @@
 # shifted position, a wrong mask) moves log-probs by 0.1 nats or more, 1000x above it.
 FP32_LOGPROB_TOL = {"abs": 1e-4, "rel": 1e-5}
 
+# How far two engines' fp32 log-probs of the same tokens may differ (vLLM against transformers):
+# not only the summation order but other kernels (vLLM's attention and fused norms against
+# transformers' eager ops). The worst seen: 2.1e-4 nats on one machine's locally built tiny model
+# (log-probs ~ -13), against under 1e-4 on the build before. The bound is 5x that; a real scoring
+# bug (a shifted position, the prompt's last token scored, a wrong adapter) moves log-probs by
+# 0.1 nats or more, 100x above it.
+FP32_ENGINE_LOGPROB_TOL = 1e-3
+
 # How far two fp32 gradients of the same loss may differ when only the summation order differs
 # (logits in chunks or whole, one rank or two), as a fraction of the tensor's largest entry, with
 # an absolute floor for a tensor that is all ~0. The worst seen on the locally built tiny model:

@@ -207,8 +207,11 @@ def test_tiny_model_full_finetune_equals_unchunked(tiny_model: Path, chunk: int)
     c = resolve_logits_chunk(chunk, 259)
     _compare_model(_tiny(tiny_model), ids, attn, c, same_rows=True, tol=TOL)
     _compare_model(_tiny(tiny_model, torch.float64), ids, attn, c, same_rows=False, tol=1e-10)
-    # Against the model's own logits: the head's matmul rounding only (none at 16 rows or one chunk).
-    _compare_model(_tiny(tiny_model), ids, attn, c, same_rows=False, tol=TOL if chunk in (0, 16) else 1e-4)
+    # Against the model's own logits: the head's matmul rounding only, at fp32's tolerance for any
+    # chunk. A chunk's matmul has other rows than the model's whole one, and which BLAS kernel (and
+    # summation order) a row count gets depends on the CPU: "none at 16 rows" held on one machine
+    # and missed by 2.3e-5 on 22.9 on another. The fp64 run above holds the math to 1e-10.
+    _compare_model(_tiny(tiny_model), ids, attn, c, same_rows=False, tol=1e-4)
 
 
 def _lora(path: Path, dtype: torch.dtype) -> torch.nn.Module:
