@@ -344,17 +344,14 @@ def calibrate(stack: Stack, q: CpuQuota, k_target: float, q_start: float) -> dic
     _stop(stack, "trainer")
     httpx.post(f"{stack.api}/v1/jobs/{job_id}/cancel", timeout=30)
     pts = sorted(read_points(r, job_id, "trainer"), key=lambda p: p["step"])[1:]  # the first waits on the fetch
-    busy = sum(_busy_s(p) for p in pts)
-    trainer_gps = sum(p["groups"] for p in pts) / busy if busy else float("nan")
-    quota, alpha = quota_for_k(k_target, trainer_gps, probes)
+    gps = trainer_gps(pts)
+    quota, alpha = quota_for_k(k_target, gps, probes)
     q.set(quota)
-    print(
-        f"calibrate: trainer {trainer_gps:.2f} groups/s; alpha {alpha}; quota {quota} core for k {k_target}", flush=True
-    )
+    print(f"calibrate: trainer {gps:.2f} groups/s; alpha {alpha}; quota {quota} core for k {k_target}", flush=True)
     return {
         "k_target": k_target,
         "probes": probes,
-        "trainer_gps": round(trainer_gps, 2),
+        "trainer_gps": round(gps, 2),
         "alpha": alpha,
         "quota": quota,
         "steps": len(pts),
@@ -419,6 +416,12 @@ def _busy_s(p: dict[str, Any]) -> float:
     return p["train_s"] + p["publish_s"] + p["checkpoint_s"]
 
 
+def trainer_gps(steps: list[dict[str, Any]]) -> float:
+    """Groups the trainer trained per second of its steps' busy time (train, publish, checkpoint)."""
+    busy = sum(_busy_s(p) for p in steps)
+    return sum(p["groups"] for p in steps) / busy if busy else float("nan")
+
+
 def rates(runs: list[dict[str, Any]]) -> dict[str, float]:
     """Trainer and rollout groups/s measured in the backlog runs (no replica), start-up seconds,
     and teardown seconds (the drained sessions': the last step's end to the process gone)."""
@@ -435,8 +438,7 @@ def rates(runs: list[dict[str, Any]]) -> dict[str, float]:
                 steps += pts[1:]  # the session's first step waits on the fetch
                 if b - a < x.get("window_s", math.inf) - 1:  # it left before the window closed
                     teardowns.append(b - pts[-1]["at"])
-    busy = sum(_busy_s(p) for p in steps)
-    trainer = sum(p["groups"] for p in steps) / busy if busy else float("nan")
+    trainer = trainer_gps(steps)
     rollout = sum(x["groups_made"] for x in bl) / sum(x["wall_s"] for x in bl) if bl else float("nan")
     return {
         "trainer_gps": round(trainer, 2),

@@ -22,7 +22,6 @@ from tests.support.numerics import FP32_ENGINE_LOGPROB_TOL, FP32_LOGPROB_TOL
 from tests.support.rollout import wait_vllm_server
 
 pytestmark = pytest.mark.slow
-TOL = FP32_ENGINE_LOGPROB_TOL  # max |difference| per token between engines (fp32 everywhere)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +73,7 @@ def vllm_scorer(tiny_model: Path) -> Iterator[RefScorer]:
 class TestVllmInProcess:
     def test_agrees_with_transformers(self, vllm_scorer, seqs, hf_logprobs) -> None:  # noqa: ANN001
         assert vllm_scorer.dtype == "float32"
-        assert _agree(vllm_scorer, seqs, hf_logprobs) < TOL
+        assert _agree(vllm_scorer, seqs, hf_logprobs) < FP32_ENGINE_LOGPROB_TOL
 
     def test_rejects_too_long(self, vllm_scorer) -> None:  # noqa: ANN001
         with pytest.raises(Rejected, match="exceeds the reference's context"):
@@ -106,7 +105,7 @@ class TestRemote:
         scorer = build_scorer(RefSettings(model=str(tiny_model), dev=True))
         try:
             assert scorer.mode == "remote" and scorer.max_len == 255
-            assert _agree(scorer, seqs, hf_logprobs) < TOL
+            assert _agree(scorer, seqs, hf_logprobs) < FP32_ENGINE_LOGPROB_TOL
             assert not scorer._echo_only  # prompt_logprobs was honoured
             with pytest.raises(Rejected, match="exceeds the reference's context"):
                 scorer.score([([5] * 250, [6] * 10)])
@@ -121,6 +120,6 @@ class TestRemote:
         scorer = RemoteScorer(url=server_url, model=str(tiny_model), prompts_per_request=5)
         scorer._echo_only = True  # as after meeting a server that ignores prompt_logprobs
         try:
-            assert _agree(scorer, seqs, hf_logprobs) < TOL
+            assert _agree(scorer, seqs, hf_logprobs) < FP32_ENGINE_LOGPROB_TOL
         finally:
             scorer.close()
