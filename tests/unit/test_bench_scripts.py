@@ -97,3 +97,51 @@ def test_burst_quota_for_k_solves_the_power_law_through_two_probes():
     assert "k_target must be a positive number" in got[4]
     assert "trainer_gps must be positive" in got[5]
     assert "different quotas" in got[6] and "different quotas" in got[7]
+
+
+# bench/burst.py's per-round ratios and the quota re-solved between rounds, run in a child likewise.
+ROUNDS = """
+import json, math, sys
+from bench.burst import requota, round_ratios
+runs, requotas = json.loads(sys.argv[1])
+out = {}
+for key, other in (("m2po_limit", "windowed"), ("m2po_limit", "trl")):
+    out[f"{key}/{other}"] = [[None if math.isinf(v) else round(v, 6), exact] for v, exact in round_ratios(runs, key, other)]
+out["requota"] = [requota(*case) for case in requotas]
+print(json.dumps(out))
+"""
+
+
+def test_burst_ratios_pair_runs_of_one_round_and_the_quota_moves_k_to_its_target():
+    def run(setup, rnd, to, billable=70.0):
+        return {"setup": setup, "round": rnd, "to_threshold": to, "billable_s": billable}
+
+    runs = [
+        run("windowed", 0, 20.0),
+        run("m2po_limit", 0, 10.0),
+        run("trl", 0, 40.0),
+        # round 1 reversed, and the windowed run never reached the threshold in its 80 billable s
+        run("m2po_limit", 1, 20.0),
+        run("windowed", 1, None, 80.0),
+        run("trl", 1, 10.0),
+        run("windowed", 2, 30.0),
+        run("m2po_limit", 2, None),  # round 2: the backlog never reached it; no TRL
+    ]
+    requotas = [
+        [0.2, 5.0, 4.0, 1.0],  # k 25% high: 25% more quota
+        [0.2, 2.0, 4.0, 2.0],  # k half the target at alpha 2: 0.2 * 0.5 ** 0.5
+        [0.2, float("nan"), 4.0, 1.0],  # no k measured: unchanged
+        [1.2, 8.0, 4.0, 1.0],  # 2.4 cores, clamped to 1.5
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", ROUNDS, json.dumps([runs, requotas])],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["m2po_limit/windowed"] == [[0.5, True], [0.25, False], [None, True]]
+    assert got["m2po_limit/trl"] == [[0.25, True], [2.0, True]]
+    assert got["requota"] == [0.25, 0.141, 0.2, 1.5]
