@@ -599,11 +599,11 @@ def report(cmd: str, a: argparse.Namespace, res: dict[str, Any]) -> str:
                 else ("missed: it never reached the threshold" if math.isinf(med) else f"missed by {med - 0.5:.2f}")
             )
             lead = f"per round {shown}; **median {fmt(med, 'x', 2)}**" if many else f"**{shown}**"
-            lines_note = (
+            bound_note = (
                 "" if all(e for _, e in rs) else f" ('<': {LABEL[other]} never reached {thr}, so its whole billable s)"
             )
             tg.append(
-                f"- {LABEL[key]} / {LABEL[other]}, billable s to acc {thr}: {lead}{lines_note} (target <= 0.5x: {verdict})"
+                f"- {LABEL[key]} / {LABEL[other]}, billable s to acc {thr}: {lead}{bound_note} (target <= 0.5x: {verdict})"
             )
         diffs = []
         for by in rounds.values():
