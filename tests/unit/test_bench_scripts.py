@@ -102,7 +102,8 @@ def test_burst_quota_for_k_solves_the_power_law_through_two_probes():
 # bench/burst.py's per-round ratios and the quota re-solved between rounds, run in a child likewise.
 ROUNDS = """
 import json, math, sys
-from bench.burst import requota, round_ratios
+from bench.burst import requota
+from bench.burst_report import round_ratios
 runs, requotas = json.loads(sys.argv[1])
 out = {}
 for key, other in (("m2po_limit", "windowed"), ("m2po_limit", "trl")):

