@@ -40,7 +40,9 @@ trainer never drains and is stopped (SIGTERM) at the window's end.
 Held-out accuracy: one evaluator for every side, off every clock (bench/trl_compare.py's
 `heldout_accuracy`: 64 held-out prompts x 4 samples at T 1, HF generate, seeded per version),
 on versions fetched from the store after the stack is stopped (every other version up to
-EVAL_DENSE, then a few evenly spaced, and those the on-policy comparison needs). Threshold `--threshold` (fixed before the run); budget: the least billable
+EVAL_DENSE, then a few evenly spaced, and those the on-policy comparison needs; then, where the
+grid skipped versions between the last below the threshold and the first at it, up to 8 of those:
+`refine`). Threshold `--threshold` (fixed before the run); budget: the least billable
 seconds any burstrl setup used (so every setup has a version within it).
 
 **Learning against lag**: jobs of `--lag-steps` steps with max_staleness L for L in `--lags`; the
@@ -368,6 +370,20 @@ def eval_versions(versions: list[int], also: tuple[int, ...] = ()) -> list[int]:
     return sorted(set(dense) | {v for v in also if v in versions})
 
 
+def refine(versions: list[int], evals: list[dict[str, Any]], threshold: float, most: int = 8) -> list[int]:
+    """Versions to evaluate between the last evaluated one below the threshold and the first at or above
+    it, where the grid skipped some (up to `most`, evenly spaced). Billable s to the threshold is read
+    at the first evaluation that reaches it, and past EVAL_DENSE the grid is sparse: a backlog run that
+    made v25 at 14.1 s (0.484) was next evaluated at v46, 30.9 s, and read 30.9 s (2026-12-04)."""
+    ev = sorted(evals, key=lambda e: e["version"])
+    hit = next((e["version"] for e in ev if e["accuracy"] >= threshold), None)
+    if hit is None:
+        return []
+    before = max((e["version"] for e in ev if e["version"] < hit), default=0)
+    gap = [v for v in versions if before < v < hit]
+    return gap[:: max(1, math.ceil(len(gap) / most))]
+
+
 def requota(quota: float, k: float, k_target: float, alpha: float, bounds: tuple[float, float] = QUOTA_BOUNDS) -> float:
     """The quota that moves a measured k to k_target, through the calibration's power law: rollout's
     rate goes as quota**alpha, so k goes as quota**-alpha. Used between rounds, because the probes run
@@ -490,6 +506,11 @@ def main() -> None:
             times = {v: vb[v] for v in eval_versions(sorted(vb), also)}
             te = time.time()
             x["evals"] = evaluate_versions(str(MODEL), TASK, store_url, x["job_id"], times)
+            extra = refine(sorted(vb), x["evals"], a.threshold)
+            if extra:  # the threshold's crossing, read between the grid's versions
+                more = evaluate_versions(str(MODEL), TASK, store_url, x["job_id"], {v: vb[v] for v in extra})
+                x["evals"] = sorted(x["evals"] + [e for e in more if e["version"] in extra], key=lambda e: e["version"])
+                times.update({v: vb[v] for v in extra})
             for e in x["evals"]:
                 e["billable_s"] = e["t"]
             print(

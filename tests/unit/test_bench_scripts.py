@@ -146,3 +146,39 @@ def test_burst_ratios_pair_runs_of_one_round_and_the_quota_moves_k_to_its_target
     assert got["m2po_limit/windowed"] == [[0.5, True], [0.25, False], [None, True]]
     assert got["m2po_limit/trl"] == [[0.25, True], [2.0, True]]
     assert got["requota"] == [0.25, 0.141, 0.2, 1.5]
+
+
+# bench/burst.py's refine: the versions evaluated again where the grid skipped the threshold's crossing.
+REFINE = """
+import json, sys
+from bench.burst import refine
+print(json.dumps([refine(*case) for case in json.loads(sys.argv[1])]))
+"""
+
+
+def test_burst_refine_evaluates_the_versions_the_grid_skipped_before_the_threshold():
+    def ev(*pairs):
+        return [{"version": v, "accuracy": acc} for v, acc in pairs]
+
+    versions = list(range(1, 51))
+    cases = [
+        # the 2026-12-04 run: 0.484 at v25, next evaluated v46 at 0.754: 26..45 (20) at a stride of 3
+        [versions, ev((0, 0.26), (24, 0.453), (25, 0.484), (46, 0.754), (50, 0.88)), 0.5],
+        # the crossing between adjacent evaluated versions: nothing to add
+        [versions, ev((0, 0.26), (24, 0.49), (25, 0.51), (46, 0.754)), 0.5],
+        # never reached: nothing to refine
+        [versions, ev((0, 0.26), (25, 0.484), (50, 0.49)), 0.5],
+        # reached at the first evaluation after the base: v1..v3 between v0 and v4, all of them
+        [versions, ev((0, 0.26), (4, 0.6)), 0.5],
+        # a dip after the crossing does not move it: the first at or above the threshold counts
+        [versions, ev((0, 0.26), (10, 0.52), (12, 0.45), (30, 0.7)), 0.5, 2],
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", REFINE, json.dumps(cases)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got[0] == [26, 29, 32, 35, 38, 41, 44]
+    assert got[1] == [] and got[2] == []
+    assert got[3] == [1, 2, 3]
+    assert got[4] == [1, 6]  # v1..v9 at a stride of 5 (most 2)
