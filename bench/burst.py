@@ -568,7 +568,7 @@ def finish(res: dict[str, Any], a: argparse.Namespace, cmd: str) -> None:
         x["to_threshold"] = time_to(x["evals"], a.threshold)
         x["at_budget"] = accuracy_at(x["evals"], res["budget_s"])
     res["rates"] = rates(res["runs"])
-    if not any(x["setup"] == "replica" for x in res["runs"]) and not res.get("replica_note"):
+    if res["runs"] and not any(x["setup"] == "replica" for x in res["runs"]) and not res.get("replica_note"):
         rs = res.get("replica_startup_s")
         res["replica_note"] = True
         res["notes"].append(
@@ -580,7 +580,8 @@ def finish(res: dict[str, Any], a: argparse.Namespace, cmd: str) -> None:
             "Sharing the card (vLLM sleep/wake) is the burstrole branch's work."
         )
     save(res, a.out)
-    plot(res, a.out.with_suffix(".png"), a.threshold)
+    if res["runs"]:  # a lag-only run (--setups ,) has no curves
+        plot(res, a.out.with_suffix(".png"), a.threshold)
     text = report(cmd, a, res)
     a.out.write_text(text)
     print(text)
