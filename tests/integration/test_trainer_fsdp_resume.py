@@ -13,16 +13,13 @@ shard of one that 1 process wrote.
   its groups; the 2-rank session resumes from it, gets those groups redelivered, acknowledges
   them as trained without training them again, and trains step 5.
 
-Tolerance, fp32: the sharded steps sum gradients in another order than one process (see
-tests/integration/test_trainer_fsdp.py), and AdamW passes those differences on, most for the entries whose
-gradient is near zero (the update is m/sqrt(v): float noise there is lr-sized). So no single entry
-has a bound that holds for any build of the tiny model (max 1.7e-5 on one build, 3.6e-4 on
-another, 1.2e-3 on the one-thread build); what noise cannot do is move many of them. Measured
-against the uninterrupted run, worst build: 2.6e-5 of the entries more than 1e-3 away, mean
-1.3e-6 (2 -> 1, 3 sharded steps); 1 -> 2: none, mean 4e-11. One extra AdamW step (what a group
-trained twice, or optimizer states lost or misassigned, costs) moves 67% of the entries more than
-1e-3 and the mean by 1.1e-3 (checkpoints 4 -> 5 of the same job). Asserted: under 1e-3 of the
-entries beyond 1e-3, and mean under 1e-5: 40x and 8x above the noise, 670x and 100x below a step.
+Tolerance, fp32: tests/support/numerics.py ADAM_TRAJECTORY_TOL, 90% of the adapter's entries
+within 10% of one AdamW step of the uninterrupted run's (the step measured in the same run:
+the median of |checkpoint 5 - checkpoint 4|). The sharded steps sum gradients in another order
+(tests/integration/test_trainer_fsdp.py), and AdamW turns that noise into lr-sized moves for the
+entries whose gradient is near zero; how many there are depends on the build of the tiny model
+(0.7% of all entries beyond 1e-3 on the build of a CI run, 2026-12-04, none on this AMD EPYC's),
+so a bound on their share failed there. An extra step or lost optimizer states move most entries.
 """
 
 from __future__ import annotations
@@ -36,9 +33,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load
 
 from services.cli.launch import free_port
 from services.trainer.checkpoint import checkpoint_steps, load_checkpoint
+from services.trainer.policy import ADAPTER_WEIGHTS
 from shared import keys
 from shared.bus import FIELD
 from shared.job import JobState, load_job
@@ -47,10 +46,10 @@ from shared.metrics import read_ledger, read_points
 from shared.schema import encode
 from shared.store import MANIFEST
 from tests.support import ROOT
+from tests.support.numerics import assert_same_adam_trajectory
 from tests.support.trainer_resume import BATCH, JOB, STEPS, ZERO_VAR, Run, crash_before_ack, resume_groups
 from tests.support.waits import Deadline
 
-FAR, FAR_SHARE, MEAN_ATOL = 1e-3, 1e-3, 1e-5
 pytestmark = pytest.mark.slow  # torchrun sessions: minutes
 
 
@@ -64,13 +63,16 @@ def _run(r, tmp: Path, model_dir: Path, **kw) -> Run:  # noqa: ANN001
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, redis_server, tiny_model):  # noqa: ANN001, ANN201
-    """One process, uninterrupted: the final adapter and LR."""
+    """One process, uninterrupted: the final adapter and LR, and how far one AdamW step moves an
+    entry (the median of |checkpoint 5 - checkpoint 4|)."""
     client = redis_server.client()
     run = _run(client, tmp_path_factory.mktemp("ref"), tiny_model, checkpoint_every=2)
     run.trainer().run()
     out = run.final()
+    before = load(load_checkpoint(run.store, JOB, STEPS - 1).files[ADAPTER_WEIGHTS])
+    step = torch.cat([(out[0][k] - before[k]).abs().flatten() for k in before]).median()
     client.close()
-    return out
+    return out, float(step)
 
 
 def _feed(run: Run, upto: int) -> None:
@@ -123,17 +125,9 @@ def _stop(proc: subprocess.Popen, log: Path) -> None:
     assert "Traceback" not in text or "SignalException" in text, text[-4000:]
 
 
-def _close_to(got: tuple[dict[str, torch.Tensor], float], want: tuple[dict[str, torch.Tensor], float]) -> None:
-    (a, lr_a), (b, lr_b) = got, want
-    assert a.keys() == b.keys()
-    diff = {k: (a[k] - b[k]).abs() for k in a}
-    n = sum(d.numel() for d in diff.values())
-    far = sum(int((d > FAR).sum()) for d in diff.values()) / n
-    mean = float(sum(d.sum() for d in diff.values()) / n)
-    worst = max((float(d.max()), k) for k, d in diff.items())
-    print(f"adapter vs uninterrupted run: {far:.2e} of entries beyond {FAR}, mean {mean:.2e}, max {worst}")
-    assert far < FAR_SHARE, (far, worst)
-    assert mean < MEAN_ATOL, (mean, worst)
+def _close_to(got: tuple[dict[str, torch.Tensor], float], reference: tuple[tuple, float]) -> None:
+    (a, lr_a), ((b, lr_b), step) = got, reference
+    assert_same_adam_trajectory(a, b, step)
     assert lr_a == pytest.approx(lr_b)  # the scheduler neither skipped nor double-stepped
 
 
