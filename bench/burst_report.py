@@ -17,12 +17,14 @@ from bench.burst_setups import (
     LR,
     M2PO_SETUPS,
     RATE_SETUPS,
+    REPLICA_OF,
     SETUPS,
     STALENESS_LIMIT,
     TASK,
 )
 from bench.output import repo_path
 from bench.trl_compare import BATCH, G
+from services.plan.billable import accuracy_at
 
 
 def _sessions(x: dict[str, Any]) -> list[tuple[float, float, list[dict[str, Any]]]]:
@@ -100,6 +102,33 @@ def round_ratios(runs: list[dict[str, Any]], key: str, other: str) -> list[tuple
             out.append((mt / o["billable_s"], False))
         else:
             out.append((mt / ot, True))
+    return out
+
+
+def replica_lines(runs: list[dict[str, Any]], setups: set[str], thr: float, many: bool) -> list[str]:
+    """What a burst-side replica bought: per round, the replica setup's billable seconds to the
+    threshold over its pair's (the same job without one), and the accuracy each had at the replica
+    run's own billable seconds. No target in the issue: a reading, < 1x where the replica pays."""
+    out = []
+    for rep, base in REPLICA_OF.items():
+        if not {rep, base} <= setups:
+            continue
+        rs = round_ratios(runs, rep, base)
+        shown = ", ".join("never" if math.isinf(v) else f"{'' if exact else '< '}{v:.2f}x" for v, exact in rs)
+        med = statistics.median(v for v, _ in rs)
+        accs = []
+        for by in rounds_of(runs).values():
+            r, b = by.get(rep), by.get(base)
+            if r and b:
+                at = r["billable_s"]
+                ra, ba = accuracy_at(r["evals"], at), accuracy_at(b["evals"], at)
+                accs.append(f"{fmt(ra, nd=3)} vs {fmt(ba, nd=3)} at {at:.0f} s")
+        lead = f"per round {shown}; median {fmt(med, 'x', 2)}" if many else shown
+        out.append(
+            f"- {LABEL[rep]} / {LABEL[base]}, billable s to acc {thr}: **{lead}** (no target: below 1x the replica "
+            f"pays for its start-up and its share of the cores); accuracy at the replica run's billable s: "
+            + "; ".join(accs)
+        )
     return out
 
 
@@ -189,7 +218,7 @@ def setups_section(a: argparse.Namespace, res: dict[str, Any]) -> list[str]:
             f"{last['accuracy']:.3f} (v{last['version']}) |"
         )
     lines.append("")
-    for x in (by["replica"] for by in rounds.values() if "replica" in by):
+    for x in (by[s] for by in rounds.values() for s in REPLICA_OF if s in by):
         ready = x["replica_ready_s"]
         lines.append(
             "- Burst-side replica (`rollout2`, a second rollout service in the same consumer group, started with "
@@ -238,6 +267,7 @@ def setups_section(a: argparse.Namespace, res: dict[str, Any]) -> list[str]:
                 f"(target within 0.02: {'met' if abs(d) <= 0.02 else f'missed by {abs(d) - 0.02:.3f}'}; one version's "
                 "accuracy has a standard error of ~0.03 at 256 samples)"
             )
+    tg += replica_lines(runs, setups, thr, many)
     lines += ["Targets:", "", *tg, ""]
     # Planner.
     tr = rt.get("teardown_range_s") or []

@@ -42,10 +42,17 @@ SETUPS: dict[str, dict[str, Any]] = {
         "backlog": {**BACKLOG, "order": "freshest", "max_age_versions": STALENESS_LIMIT},
         "algorithm": {"mismatch": "m2po"},
     },
+    # m2po_limit's job with a burst-side replica: without the limit (replica) a burst trains groups up to
+    # 255 versions old and the replica's fresh ones queue behind them; with it the stale ones are dropped
+    # and the replica's groups, a few versions old, are what the burst trains.
+    "replica_limit": {"backlog": {**BACKLOG, "max_age_versions": STALENESS_LIMIT}, "algorithm": {"mismatch": "m2po"}},
 }
+# The setups that also start a burst-side replica (a second rollout service, alive with the trainer),
+# each with the setup that runs the same job without one: the replica's reading is the pair's ratio.
+REPLICA_OF = {"replica": "m2po", "replica_limit": "m2po_limit"}
 # Derived from SETUPS, so a new setup joins the rates, targets and readings that apply to it.
 BACKLOG_SETUPS = tuple(s for s, spec in SETUPS.items() if "backlog" in spec)  # + the lag readings
-RATE_SETUPS = tuple(s for s in BACKLOG_SETUPS if s != "replica")  # one rollout: its rate, the planner's check
+RATE_SETUPS = tuple(s for s in BACKLOG_SETUPS if s not in REPLICA_OF)  # one rollout: its rate, the planner's check
 M2PO_SETUPS = tuple(s for s in RATE_SETUPS if SETUPS[s]["algorithm"]["mismatch"] == "m2po")  # the issue's targets
 LABEL = {
     "windowed": "windowed (no backlog)",
@@ -55,6 +62,7 @@ LABEL = {
     "m2po_limit": f"backlog + M2PO, staleness limit {STALENESS_LIMIT}",
     "fresh": "backlog (freshest first) + M2PO",
     "fresh_limit": f"backlog (freshest first) + M2PO, staleness limit {STALENESS_LIMIT}",
+    "replica_limit": f"backlog + M2PO, staleness limit {STALENESS_LIMIT} + burst-side replica",
     "trl": "TRL GRPOTrainer in bursts",
 }
 LEAVE_IDLE_S = 2.0  # the backlog trainers' --leave-when-idle: no batch for this long, none left

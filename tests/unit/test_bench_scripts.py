@@ -182,3 +182,44 @@ def test_burst_refine_evaluates_the_versions_the_grid_skipped_before_the_thresho
     assert got[1] == [] and got[2] == []
     assert got[3] == [1, 2, 3]
     assert got[4] == [1, 6]  # v1..v9 at a stride of 5 (most 2)
+
+
+# bench/burst_report.py's reading of a burst-side replica: each replica setup against its pair.
+REPLICA = """
+import json, sys
+from bench.burst_report import replica_lines
+runs, many = json.loads(sys.argv[1])
+print(json.dumps(replica_lines(runs, {x["setup"] for x in runs}, 0.5, many)))
+"""
+
+
+def test_burst_replica_reading_pairs_each_replica_setup_with_the_same_job_without_one():
+    def run(setup, rnd, to, billable, evals):
+        return {
+            "setup": setup,
+            "round": rnd,
+            "to_threshold": to,
+            "billable_s": billable,
+            "evals": [{"t": t, "accuracy": acc} for t, acc in evals],
+        }
+
+    runs = [
+        # round 0: the replica reaches 0.5 in 12 s against 24 s; at its 70 billable s 0.8 vs 0.6
+        run("m2po_limit", 0, 24.0, 72.0, [(0, 0.2), (24, 0.5), (60, 0.6), (71, 0.7)]),
+        run("replica_limit", 0, 12.0, 70.0, [(0, 0.2), (12, 0.55), (69, 0.8)]),
+        # round 1: the replica never reaches it
+        run("replica_limit", 1, None, 70.0, [(0, 0.2), (50, 0.4)]),
+        run("m2po_limit", 1, 30.0, 71.0, [(0, 0.2), (30, 0.52)]),
+        # a replica run without its pair (m2po) is not read
+        run("replica", 0, 10.0, 70.0, [(0, 0.2)]),
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", REPLICA, json.dumps([runs, True])], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert line.startswith(
+        "- backlog + M2PO, staleness limit 16 + burst-side replica / backlog + M2PO, staleness limit 16"
+    )
+    assert "**per round 0.50x, never; median inf**" in line
+    assert line.endswith("0.800 vs 0.600 at 70 s; 0.400 vs 0.520 at 70 s")
