@@ -186,12 +186,12 @@ def burst_run(stack: Stack, setup: str, a: argparse.Namespace, rnd: int = 0) -> 
         close = ta + window
         # A backlog trainer leaves by itself once the backlog is drained; the windowed one waits.
         stack.start("trainer", {} if setup == "windowed" else {"BURSTRL_TRAINER_LEAVE_WHEN_IDLE_S": str(LEAVE_IDLE_S)})
-        ready_at = None
-        if setup in REPLICA_OF:
+        ready_at, replica = None, setup in REPLICA_OF
+        if replica:
             stack.n_rollouts = 2  # its own core binding and scratch dir (Stack.start)
             stack.start("rollout2")
         while time.time() < close:
-            if setup in REPLICA_OF and ready_at is None:
+            if replica and ready_at is None:
                 try:
                     port = stack.ports["rollout2"]
                     if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
@@ -201,7 +201,7 @@ def burst_run(stack: Stack, setup: str, a: argparse.Namespace, rnd: int = 0) -> 
             if setup != "windowed" and not alive(stack.pid("trainer")):
                 break  # it left: drained (or it failed: its log says which)
             time.sleep(0.1)
-        if setup in REPLICA_OF:
+        if replica:
             replica_iv.append((ta, _stop(stack, "rollout2")))
             replica_ready.append(ready_at)
         trainer_iv.append((ta, _stop(stack, "trainer")))

@@ -105,6 +105,12 @@ def round_ratios(runs: list[dict[str, Any]], key: str, other: str) -> list[tuple
     return out
 
 
+def ratios_text(rs: list[tuple[float, bool]]) -> str:
+    """round_ratios as the page shows them: "never" where key never reached the threshold, "< " before
+    an upper bound."""
+    return ", ".join("never" if math.isinf(v) else f"{'' if exact else '< '}{v:.2f}x" for v, exact in rs)
+
+
 def replica_lines(runs: list[dict[str, Any]], setups: set[str], thr: float, many: bool) -> list[str]:
     """What a burst-side replica bought: per round, the replica setup's billable seconds to the
     threshold over its pair's (the same job without one), and the accuracy each had at the replica
@@ -114,8 +120,7 @@ def replica_lines(runs: list[dict[str, Any]], setups: set[str], thr: float, many
         if not {rep, base} <= setups:
             continue
         rs = round_ratios(runs, rep, base)
-        shown = ", ".join("never" if math.isinf(v) else f"{'' if exact else '< '}{v:.2f}x" for v, exact in rs)
-        med = statistics.median(v for v, _ in rs)
+        shown, med = ratios_text(rs), statistics.median(v for v, _ in rs)
         accs = []
         for by in rounds_of(runs).values():
             r, b = by.get(rep), by.get(base)
@@ -235,8 +240,7 @@ def setups_section(a: argparse.Namespace, res: dict[str, Any]) -> list[str]:
             rs = round_ratios(runs, key, other)
             if not rs:
                 continue
-            shown = ", ".join("never" if math.isinf(v) else f"{'' if exact else '< '}{v:.2f}x" for v, exact in rs)
-            med = statistics.median(v for v, _ in rs)
+            shown, med = ratios_text(rs), statistics.median(v for v, _ in rs)
             verdict = (
                 "met"
                 if med <= 0.5

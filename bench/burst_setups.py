@@ -29,7 +29,6 @@ SETUPS: dict[str, dict[str, Any]] = {
     "windowed": {},
     "tis": {"backlog": BACKLOG, "algorithm": {"mismatch": "token_truncate"}},
     "m2po": {"backlog": BACKLOG, "algorithm": {"mismatch": "m2po"}},
-    "replica": {"backlog": BACKLOG, "algorithm": {"mismatch": "m2po"}},
     # The staleness limit a user would set from the lag table: M2PO learned as on-policy did up to a lag
     # of ~15 versions there (0.469 vs 0.492 at 16 steps), so groups older than that are dropped (the
     # ledger's dropped_age) instead of trained. Fixed before the run that measured it.
@@ -42,14 +41,14 @@ SETUPS: dict[str, dict[str, Any]] = {
         "backlog": {**BACKLOG, "order": "freshest", "max_age_versions": STALENESS_LIMIT},
         "algorithm": {"mismatch": "m2po"},
     },
-    # m2po_limit's job with a burst-side replica: without the limit (replica) a burst trains groups up to
-    # 255 versions old and the replica's fresh ones queue behind them; with it the stale ones are dropped
-    # and the replica's groups, a few versions old, are what the burst trains.
-    "replica_limit": {"backlog": {**BACKLOG, "max_age_versions": STALENESS_LIMIT}, "algorithm": {"mismatch": "m2po"}},
 }
 # The setups that also start a burst-side replica (a second rollout service, alive with the trainer),
-# each with the setup that runs the same job without one: the replica's reading is the pair's ratio.
+# each with the setup whose job it runs unchanged: the replica's reading is the pair's ratio. Without
+# the staleness limit (replica) a burst trains groups up to 255 versions old and the replica's fresh
+# ones queue behind them; with it (replica_limit) the stale ones are dropped and the replica's groups,
+# a few versions old, are what the burst trains.
 REPLICA_OF = {"replica": "m2po", "replica_limit": "m2po_limit"}
+SETUPS.update({rep: SETUPS[base] for rep, base in REPLICA_OF.items()})  # the same job, by construction
 # Derived from SETUPS, so a new setup joins the rates, targets and readings that apply to it.
 BACKLOG_SETUPS = tuple(s for s, spec in SETUPS.items() if "backlog" in spec)  # + the lag readings
 RATE_SETUPS = tuple(s for s in BACKLOG_SETUPS if s not in REPLICA_OF)  # one rollout: its rate, the planner's check
