@@ -316,8 +316,7 @@ def test_a_job_with_both_savers_crashes_and_resumes_to_the_uninterrupted_weights
     with the other optimizer is refused naming the setting."""
     import bitsandbytes as bnb
 
-    from services.trainer.loop import JobTrainer
-    from tests.support.trainer_resume import Run
+    from tests.support.trainer_resume import Run, crash_before_publish
 
     def run_with_savers(where: Path) -> Run:
         run = Run(r, where, model_dir, checkpoint_every=2)
@@ -332,17 +331,10 @@ def test_a_job_with_both_savers_crashes_and_resumes_to_the_uninterrupted_weights
     want = ref.final()
 
     run = run_with_savers(tmp_path / "crash")
-    orig = JobTrainer._publish
-
-    def boom(self, files):  # noqa: ANN001, ANN202
-        if self.state.step == 3:
-            raise RuntimeError("injected crash after training step 3, before its checkpoint")
-        orig(self, files)
-
-    monkeypatch.setattr(JobTrainer, "_publish", boom)
+    crash_before_publish(monkeypatch, 3)
     with pytest.raises(RuntimeError, match="injected"):
         run.trainer().run()
-    monkeypatch.setattr(JobTrainer, "_publish", orig)
+    monkeypatch.undo()
 
     run.settings = run.settings.model_copy(update={"optimizer": "adamw"})
     with pytest.raises(ValueError, match=r"optimizer=adamw, but the checkpoint's optimizer state was written by"):

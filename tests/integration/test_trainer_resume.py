@@ -33,7 +33,16 @@ from shared.metrics import read_ledger, read_points
 from shared.policy import version_prefix
 from shared.schema import encode
 from shared.store import get_folder, put_folder
-from tests.support.trainer_resume import BATCH, JOB, STEPS, ZERO_VAR, Run, crash_before_ack, resume_groups
+from tests.support.trainer_resume import (
+    BATCH,
+    JOB,
+    STEPS,
+    ZERO_VAR,
+    Run,
+    crash_before_ack,
+    crash_before_publish,
+    resume_groups,
+)
 from tests.support.waits import Deadline
 
 
@@ -93,18 +102,11 @@ def _ledger_balanced(r) -> None:  # noqa: ANN001
 
 def test_crash_mid_interval_then_resume_gives_the_same_weights(r, tmp_path, model_dir, reference, monkeypatch):
     run = Run(r, tmp_path, model_dir, checkpoint_every=2)
-    orig = JobTrainer._publish
-
-    def boom(self, files):  # noqa: ANN001, ANN202
-        if self.state.step == 3:
-            raise RuntimeError("injected crash after training step 3, before its checkpoint")
-        orig(self, files)
-
-    monkeypatch.setattr(JobTrainer, "_publish", boom)
+    crash_before_publish(monkeypatch, 3)
     with pytest.raises(RuntimeError, match="injected"):
         run.trainer().run()
     assert checkpoint_steps(run.store, JOB) == [2]
-    monkeypatch.setattr(JobTrainer, "_publish", orig)
+    monkeypatch.undo()
     t = run.trainer()
     assert t.state.step == 2 and t.learner.sched.last_epoch == 2
     t.run()

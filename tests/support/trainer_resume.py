@@ -122,3 +122,17 @@ def crash_before_ack(monkeypatch, step: int) -> None:  # noqa: ANN001 (pytest's 
         orig(self)
 
     monkeypatch.setattr(JobTrainer, "_ack_checkpointed", boom)
+
+
+def crash_before_publish(monkeypatch, step: int) -> None:  # noqa: ANN001 (pytest's MonkeyPatch)
+    """The trainer raises after training step `step`, before publishing it or storing its
+    checkpoint: the groups since the last checkpoint are trained but held nowhere. Undo with
+    monkeypatch.undo()."""
+    orig = JobTrainer._publish
+
+    def boom(self, files):  # noqa: ANN001, ANN202
+        if self.state.step == step:
+            raise RuntimeError(f"injected crash after training step {step}, before its checkpoint")
+        orig(self, files)
+
+    monkeypatch.setattr(JobTrainer, "_publish", boom)
