@@ -114,25 +114,25 @@ class Run:
 def crash_before_ack(monkeypatch, step: int) -> None:  # noqa: ANN001 (pytest's MonkeyPatch)
     """The trainer raises right after storing checkpoint `step`, before acknowledging it: the
     interval it holds is in the store but still pending on the bus. Undo with monkeypatch.undo()."""
-    orig = JobTrainer._ack_checkpointed
-
-    def boom(self):  # noqa: ANN001, ANN202
-        if self.state.step == step:
-            raise RuntimeError(f"injected crash after storing checkpoint {step}, before acking it")
-        orig(self)
-
-    monkeypatch.setattr(JobTrainer, "_ack_checkpointed", boom)
+    _raise_in(
+        monkeypatch, "_ack_checkpointed", step, f"injected crash after storing checkpoint {step}, before acking it"
+    )
 
 
 def crash_before_publish(monkeypatch, step: int) -> None:  # noqa: ANN001 (pytest's MonkeyPatch)
     """The trainer raises after training step `step`, before publishing it or storing its
     checkpoint: the groups since the last checkpoint are trained but held nowhere. Undo with
     monkeypatch.undo()."""
-    orig = JobTrainer._publish
+    _raise_in(monkeypatch, "_publish", step, f"injected crash after training step {step}, before its checkpoint")
 
-    def boom(self, files):  # noqa: ANN001, ANN202
+
+def _raise_in(monkeypatch, method: str, step: int, message: str) -> None:  # noqa: ANN001
+    """JobTrainer.`method` raises RuntimeError(message) when called at training step `step`."""
+    orig = getattr(JobTrainer, method)
+
+    def boom(self, *args):  # noqa: ANN001, ANN002, ANN202
         if self.state.step == step:
-            raise RuntimeError(f"injected crash after training step {step}, before its checkpoint")
-        orig(self, files)
+            raise RuntimeError(message)
+        return orig(self, *args)
 
-    monkeypatch.setattr(JobTrainer, "_publish", boom)
+    monkeypatch.setattr(JobTrainer, method, boom)
