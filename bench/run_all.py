@@ -105,6 +105,13 @@ def items(full: bool, out: Path) -> list[tuple[str, list[str], Path | None]]:
             b / "trainer_passes.md",
         ),
         (
+            # B is the tree before the trainer stopped importing an unused bitsandbytes (docs/bench/trainer_startup.md)
+            "trainer_startup",
+            [PY, "bench/trainer_startup.py", "--baseline", "9061c30", "--rounds", "7" if full else "5"]
+            + ["--out", str(b / "trainer_startup.md")],
+            b / "trainer_startup.md",
+        ),
+        (
             "chunked_logprobs",
             [PY, "bench/chunked_logprobs.py", "--out", str(b / "chunked_logprobs.md")]
             + ["--json", str(b / "chunked_logprobs.json")],
@@ -251,6 +258,16 @@ def summary(b: Path, cmds: dict[str, str]) -> list[str]:
         if m := re.search(r"\| (\d+) \| [0-9.]+ \| \*\*([0-9.]+x)\*\*", text):
             rows.append(
                 (f"trainer step, micro_batch_tokens {m.group(1)} vs one padded pass", m.group(2), "", "trainer_passes")
+            )
+    if "trainer_startup" in cmds and (b / "trainer_startup.md").exists():
+        if m := re.search(r"\*\*median ([0-9.]+x)\*\*", (b / "trainer_startup.md").read_text()):
+            rows.append(
+                (
+                    "trainer spawn to ready, this tree / before bitsandbytes was skipped",
+                    m.group(1),
+                    "",
+                    "trainer_startup",
+                )
             )
     if "chunked_logprobs" in cmds and (d := load("chunked_logprobs.json")):
         for case, r in d.items():

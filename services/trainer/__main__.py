@@ -75,10 +75,11 @@ def main(argv: list[str] | None = None) -> None:
     from services.trainer.distributed import CMD_EXIT, CMD_STEP, Comm
     from services.trainer.loop import JobTrainer
     from services.trainer.progress import note_failure
-    from services.trainer.quant import SaverUnavailable, check_savers
+    from services.trainer.quant import SaverUnavailable, check_savers, skip_unused_bitsandbytes
     from services.trainer.sharding import ShardingError, check_sharding, resolve_device
     from shared.lease import LeaseKeeper, LeaseLost
 
+    skip_unused_bitsandbytes(settings)  # before peft and transformers: 1 s of every start (quant.py)
     if settings.threads:
         torch.set_num_threads(settings.threads)
     comm = Comm.from_env()

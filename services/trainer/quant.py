@@ -18,6 +18,7 @@ what to use instead (`check_savers`), never a silent fallback to the 16-bit path
 from __future__ import annotations
 
 import importlib
+import sys
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -115,6 +116,22 @@ def check_savers(settings: TrainerSettings, device: str) -> None:
         probe_nf4(device)
     if settings.optimizer == "adamw8bit":
         probe_adamw8bit(device)
+
+
+def skip_unused_bitsandbytes(settings: TrainerSettings) -> bool:
+    """Keep bitsandbytes out of a trainer that uses neither saver (True if it was kept out).
+
+    peft (peft/helpers.py) and transformers import it whenever it is installed. That import alone
+    took 1.0-1.3 s of each trainer start here (it loads torch._inductor for its CPU kernels, and logs
+    a "kernels" warning), paid in every burst and every restart (docs/bench/trainer_startup.md). A
+    None entry in sys.modules makes `import bitsandbytes` raise ImportError, Python's documented
+    way to block an import, and both libraries then read bitsandbytes as absent, which it is for
+    this process: only optimizer=adamw8bit and base_bits=4 use it. Call before peft or transformers
+    is imported; once it is imported (a test process, say) nothing changes."""
+    if settings.optimizer == "adamw8bit" or settings.base_bits == 4 or "bitsandbytes" in sys.modules:
+        return False
+    sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
+    return True
 
 
 def check_base_bits(base_bits: int, finetune: str) -> None:
