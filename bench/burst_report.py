@@ -111,6 +111,11 @@ def ratios_text(rs: list[tuple[float, bool]]) -> str:
     return ", ".join("never" if math.isinf(v) else f"{'' if exact else '< '}{v:.2f}x" for v, exact in rs)
 
 
+def ratios_summary(rs: list[tuple[float, bool]]) -> tuple[str, float]:
+    """round_ratios as shown (ratios_text) and their median, the number a target is judged on."""
+    return ratios_text(rs), statistics.median(v for v, _ in rs)
+
+
 def replica_lines(runs: list[dict[str, Any]], setups: set[str], thr: float, many: bool) -> list[str]:
     """What a burst-side replica bought: per round, the replica setup's billable seconds to the
     threshold over its pair's (the same job without one), and the accuracy each had at the replica
@@ -120,7 +125,7 @@ def replica_lines(runs: list[dict[str, Any]], setups: set[str], thr: float, many
         if not {rep, base} <= setups:
             continue
         rs = round_ratios(runs, rep, base)
-        shown, med = ratios_text(rs), statistics.median(v for v, _ in rs)
+        shown, med = ratios_summary(rs)
         accs = []
         for by in rounds_of(runs).values():
             r, b = by.get(rep), by.get(base)
@@ -240,7 +245,7 @@ def setups_section(a: argparse.Namespace, res: dict[str, Any]) -> list[str]:
             rs = round_ratios(runs, key, other)
             if not rs:
                 continue
-            shown, med = ratios_text(rs), statistics.median(v for v, _ in rs)
+            shown, med = ratios_summary(rs)
             verdict = (
                 "met"
                 if med <= 0.5
