@@ -18,13 +18,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest
 import redis
 
-from tests.support import ROOT
 from tests.support.servers import RedisServer, start_s3, stop
 
-# Fixtures that live beside their harness: `stack` (api + reward processes, for the dashboard).
-pytest_plugins = ["tests.support.dashboard"]
-
-MODEL_CACHE = Path(os.environ.get("BURSTRL_TEST_MODEL", ROOT / ".burstrl" / "models" / "tiny-sft"))
+# Fixtures that live beside their harness: `stack` (api + reward processes, for the dashboard);
+# and the slow model builds, started in the background as the session starts (tests/support/models.py).
+pytest_plugins = ["tests.support.dashboard", "tests.support.models"]
 
 
 @pytest.fixture(scope="session")
@@ -63,14 +61,22 @@ def s3_endpoint() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     """The tiny SFT'd model, built once and cached under .burstrl/ (as `make demo` does)."""
-    from shared.ml.models import ensure_tiny_model
+    from tests.support.models import build  # here: the plugin registers it first
 
-    return ensure_tiny_model(MODEL_CACHE)
+    return build("tiny_model")
 
 
 @pytest.fixture(scope="module")
 def calc_model() -> Path:
     """The tool-use (calculator) tiny model, built once and cached beside the tiny model."""
-    from shared.ml.models import ensure_calc_model
+    from tests.support.models import build  # here: the plugin registers it first
 
-    return ensure_calc_model(ROOT / ".burstrl" / "models" / "tiny-calc")
+    return build("calc_model")
+
+
+@pytest.fixture(scope="session")
+def teacher_model(tiny_model: Path) -> Path:
+    """The distillation teacher: the tiny model trained further on clean demonstrations."""
+    from tests.support.models import build  # here: the plugin registers it first
+
+    return build("teacher_model")

@@ -18,8 +18,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared.ml.models import ensure_teacher_model
-from tests.support import ROOT
 from tests.support.stack import service_stack, wait_for
 
 ROLES = ["api", "reward", "ref", "rollout", "trainer"]
@@ -42,11 +40,6 @@ JOB = {
     "algorithm": {"advantage": "distill"},
     "sampling": {"temperature": 1.0, "max_tokens": 6},
 }
-
-
-@pytest.fixture(scope="session")
-def teacher_model(tiny_model: Path) -> Path:
-    return ensure_teacher_model(ROOT / ".burstrl" / "models" / "tiny-teacher", tiny_model)
 
 
 @pytest.mark.slow

@@ -27,8 +27,6 @@ import httpx
 import pytest
 
 from services.cli.demo import DEMO_CALC_JOB
-from shared.ml.models import ensure_calc_model
-from tests.support import ROOT
 from tests.support.stack import ServiceStack, service_stack, wait_for
 
 ROLES = ["api", "reward", "rollout", "trainer"]  # no KL term and no teacher: no ref stage
@@ -54,12 +52,12 @@ JOBS: dict[str, dict[str, Any]] = {
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServiceStack, Path, float]]:
+def stack(calc_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServiceStack, Path, float]]:
     """One stack for both variants, one job after the other: a second stack's start (vLLM's
     engine, the trainer's imports) cost half a minute of the suite's CPU and tested nothing more.
     (The stack, the model, the seconds until its services were ready.)"""
     home = tmp_path_factory.mktemp("calc-stack")
-    model = ensure_calc_model(ROOT / ".burstrl" / "models" / "tiny-calc")
+    model = calc_model
     with service_stack(
         home, model, ROLES, env_extra={"BURSTRL_DEV": "1"}, store_url=f"file://{home / 'store'}"
     ) as started:
