@@ -26,6 +26,9 @@ trainer's own "trainer_session" points (process start to leaving the job) are re
 - `backlog (freshest first) + M2PO` (`fresh`), with or without the limit (`fresh_limit`): backlog.order
   "freshest", so the groups made from the versions the trainer just published are trained before the
   backlog (in "oldest" order they queue behind it);
+- `m2po_limit_ds`: m2po_limit's job with DAPO dynamic sampling (`algorithm.dynamic_sampling`): the
+  burst skips groups whose rewards are all equal (dropped_zero_variance), which the backlog's surplus
+  (the groups the limit would drop unread) pays for;
 - `backlog + M2PO + replica`: also a second rollout service (`rollout2`, the same consumer group,
   outside the cgroup: the rented side's cores) alive during each window; `replica_limit`: the same
   beside m2po_limit's job (its pair: the replica's reading is the ratio to the setup without one);
@@ -56,7 +59,7 @@ trainer rates, start-up (process start to the first step's start, median), teard
 step's end to the process reaped, median over the drained sessions) and duty cycle; its
 billable share against the measured billable seconds / wall seconds.
 
-    .venv/bin/python bench/burst.py [--full] [--setups windowed,tis,m2po,m2po_limit,fresh,fresh_limit,replica,replica_limit,trl] [--rounds 3] [--k-target 4] [--out docs/bench/burst.md]
+    .venv/bin/python bench/burst.py [--full] [--setups windowed,tis,m2po,m2po_limit,m2po_limit_ds,fresh,fresh_limit,replica,replica_limit,trl] [--rounds 3] [--k-target 4] [--out docs/bench/burst.md]
 
 `--rounds R` runs every setup R times in the same stack (odd rounds in reverse order, each round its
 own seed): a ratio pairs the runs of one round, and the page gives each round's and their median,
@@ -240,6 +243,7 @@ def burst_run(stack: Stack, setup: str, a: argparse.Namespace, rnd: int = 0) -> 
         "groups_made": sum(int(p["groups"]) for p in made),
         "trained": ledger.get("trained", 0),
         "dropped_age": ledger.get("dropped_age", 0),
+        "dropped_zero_variance": ledger.get("dropped_zero_variance", 0),
         "version_billable": {p["step"]: billable_at(p["at"], billed) for p in points},
     }
 

@@ -376,6 +376,11 @@ def reading(res: dict[str, Any]) -> list[str]:
                 f"of the {x['groups_made']} groups rollout made in the run (the rest were still in the backlog or in "
                 "flight when it ended). The limit trades the home cards' work for fresher data."
             )
+        if SETUPS.get(x["setup"], {}).get("algorithm", {}).get("dynamic_sampling"):
+            out.append(
+                f"- {name}: dynamic sampling skipped {x.get('dropped_zero_variance', 0)} groups whose rewards were all "
+                f"equal (dropped_zero_variance), beside {x['trained']} trained."
+            )
     setups = {x["setup"] for x in res["runs"]}
     # The bullets below read the lag table, the truncated-IS run and TRL's run: only with those in this run.
     if res.get("lag"):
