@@ -16,6 +16,7 @@ from bench.burst_setups import (
     LEAVE_IDLE_S,
     LR,
     M2PO_SETUPS,
+    PAIRED,
     RATE_SETUPS,
     REPLICA_OF,
     SETUPS,
@@ -116,28 +117,29 @@ def ratios_summary(rs: list[tuple[float, bool]]) -> tuple[str, float]:
     return ratios_text(rs), statistics.median(v for v, _ in rs)
 
 
-def replica_lines(runs: list[dict[str, Any]], setups: set[str], thr: float, many: bool) -> list[str]:
-    """What a burst-side replica bought: per round, the replica setup's billable seconds to the
-    threshold over its pair's (the same job without one), and the accuracy each had at the replica
-    run's own billable seconds. No target in the issue: a reading, < 1x where the replica pays."""
+def pair_lines(runs: list[dict[str, Any]], setups: set[str], thr: float, many: bool) -> list[str]:
+    """What one change bought (PAIRED: a burst-side replica, dynamic sampling): per round, the setup's
+    billable seconds to the threshold over its pair's (the same job without the change), and the
+    accuracy each had at the setup's own billable seconds. No target in the issue: a reading, < 1x
+    where the change pays."""
     out = []
-    for rep, base in REPLICA_OF.items():
-        if not {rep, base} <= setups:
+    for var, (base, pays) in PAIRED.items():
+        if not {var, base} <= setups:
             continue
-        rs = round_ratios(runs, rep, base)
+        rs = round_ratios(runs, var, base)
         shown, med = ratios_summary(rs)
         accs = []
         for by in rounds_of(runs).values():
-            r, b = by.get(rep), by.get(base)
+            r, b = by.get(var), by.get(base)
             if r and b:
                 at = r["billable_s"]
                 ra, ba = accuracy_at(r["evals"], at), accuracy_at(b["evals"], at)
                 accs.append(f"{fmt(ra, nd=3)} vs {fmt(ba, nd=3)} at {at:.0f} s")
         lead = f"per round {shown}; median {fmt(med, 'x', 2)}" if many else shown
+        whose = "the replica run's" if var in REPLICA_OF else "its run's"
         out.append(
-            f"- {LABEL[rep]} / {LABEL[base]}, billable s to acc {thr}: **{lead}** (no target: below 1x the replica "
-            f"pays for its start-up and its share of the cores); accuracy at the replica run's billable s: "
-            + "; ".join(accs)
+            f"- {LABEL[var]} / {LABEL[base]}, billable s to acc {thr}: **{lead}** (no target: below 1x {pays}); "
+            f"accuracy at {whose} billable s: " + "; ".join(accs)
         )
     return out
 
@@ -276,7 +278,7 @@ def setups_section(a: argparse.Namespace, res: dict[str, Any]) -> list[str]:
                 f"(target within 0.02: {'met' if abs(d) <= 0.02 else f'missed by {abs(d) - 0.02:.3f}'}; one version's "
                 "accuracy has a standard error of ~0.03 at 256 samples)"
             )
-    tg += replica_lines(runs, setups, thr, many)
+    tg += pair_lines(runs, setups, thr, many)
     lines += ["Targets:", "", *tg, ""]
     # Planner.
     tr = rt.get("teardown_range_s") or []

@@ -58,6 +58,12 @@ SETUPS: dict[str, dict[str, Any]] = {
 # a few versions old, are what the burst trains.
 REPLICA_OF = {"replica": "m2po", "replica_limit": "m2po_limit"}
 SETUPS.update({rep: SETUPS[base] for rep, base in REPLICA_OF.items()})  # the same job, by construction
+# Every setup read as a ratio to another that differs from it in one thing (no target in the issue:
+# readings), with what the ratio says below 1x: the replica setups, and dynamic sampling.
+PAIRED = {
+    **{rep: (base, "the replica pays for its start-up and its share of the cores") for rep, base in REPLICA_OF.items()},
+    "m2po_limit_ds": ("m2po_limit", "skipping the groups with no advantage pays"),
+}
 # Derived from SETUPS, so a new setup joins the rates, targets and readings that apply to it.
 BACKLOG_SETUPS = tuple(s for s, spec in SETUPS.items() if "backlog" in spec)  # + the lag readings
 RATE_SETUPS = tuple(s for s in BACKLOG_SETUPS if s not in REPLICA_OF)  # one rollout: its rate, the planner's check

@@ -187,9 +187,9 @@ def test_burst_refine_evaluates_the_versions_the_grid_skipped_before_the_thresho
 # bench/burst_report.py's reading of a burst-side replica: each replica setup against its pair.
 REPLICA = """
 import json, sys
-from bench.burst_report import replica_lines
+from bench.burst_report import pair_lines
 runs, many = json.loads(sys.argv[1])
-print(json.dumps(replica_lines(runs, {x["setup"] for x in runs}, 0.5, many)))
+print(json.dumps(pair_lines(runs, {x["setup"] for x in runs}, 0.5, many)))
 """
 
 
@@ -223,3 +223,33 @@ def test_burst_replica_reading_pairs_each_replica_setup_with_the_same_job_withou
     )
     assert "**per round 0.50x, never; median inf**" in line
     assert line.endswith("0.800 vs 0.600 at 70 s; 0.400 vs 0.520 at 70 s")
+
+
+def test_burst_pair_reading_reads_dynamic_sampling_against_the_same_job_without_it():
+    def run(setup, rnd, to, billable, evals):
+        return {
+            "setup": setup,
+            "round": rnd,
+            "to_threshold": to,
+            "billable_s": billable,
+            "evals": [{"t": t, "accuracy": acc} for t, acc in evals],
+        }
+
+    runs = [
+        run("m2po_limit", 0, 12.0, 72.0, [(0, 0.2), (12, 0.5), (72, 0.8)]),
+        run("m2po_limit_ds", 0, 9.0, 71.0, [(0, 0.2), (9, 0.5), (70, 0.9)]),
+        run("m2po_limit_ds", 1, 15.0, 70.0, [(0, 0.2), (15, 0.5), (69, 0.7)]),
+        run("m2po_limit", 1, 10.0, 71.0, [(0, 0.2), (10, 0.5), (70, 0.75)]),
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", REPLICA, json.dumps([runs, True])], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert line.startswith(
+        "- backlog + M2PO, staleness limit 16, dynamic sampling / backlog + M2PO, staleness limit 16, billable s"
+    )
+    # 9 / 12 and 15 / 10; their median is the mean of the two. At 71 s the pair had read 0.5 (its v at 12 s).
+    assert "**per round 0.75x, 1.50x; median 1.12x**" in line
+    assert "(no target: below 1x skipping the groups with no advantage pays)" in line
+    assert line.endswith("accuracy at its run's billable s: 0.900 vs 0.500 at 71 s; 0.700 vs 0.750 at 70 s")
