@@ -472,6 +472,13 @@ class Bus:
         self.forward([e], [(keys.dead_letter(e.job_id), encode_dead(d))], {e.job_id: {"dead": 1}})
 
 
+def append(pipe: redis.client.Pipeline, stream: str, data: bytes) -> None:
+    """Queue one new entry on `stream` inside the caller's MULTI (the api's feeder: prompts and the
+    ledger's `fed` count commit together). The one place outside the scripts that writes an entry,
+    so the entry layout (one field, FIELD, holding the message) lives here."""
+    pipe.xadd(stream, {FIELD: data})
+
+
 def inject(
     r: redis.Redis,
     job_id: str,

@@ -58,9 +58,11 @@ def read_pointer(r: redis.Redis, job_id: str) -> int:
     return int(r.get(keys.policy_pointer(job_id)) or 0)
 
 
-def init_pointer(pipe: redis.client.Pipeline, job_id: str) -> None:
-    """A new job starts at version 0 (the base model, no adapter); inside the api's create MULTI."""
-    pipe.set(keys.policy_pointer(job_id), 0)
+def init_pointer(pipe: redis.client.Pipeline, job_id: str, version: int = 0) -> None:
+    """Set a job's pointer where no trainer holds its lease yet, inside the caller's MULTI: a new
+    job starts at version 0 (the base model, no adapter; the api's create), and a job registered
+    again after Redis lost it starts at its newest checkpoint's version (the api's recovery)."""
+    pipe.set(keys.policy_pointer(job_id), max(0, int(version)))
 
 
 def advance_pointer(r: redis.Redis, job_id: str, version: int, fence: Fence) -> bool:

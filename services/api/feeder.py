@@ -19,7 +19,7 @@ import redis
 
 from shared import keys
 from shared.backlog import budget_problem, feed_room
-from shared.bus import FIELD, trim_job
+from shared.bus import append, trim_job
 from shared.domain.tasks import TaskItem, task_for_job
 from shared.job import JobRecord, JobState, UnreadableJob, load_job, set_state, update_job
 from shared.metrics import read_evals, read_ledger
@@ -124,7 +124,7 @@ class Feeder:
                 fields=item.fields,
                 fed_at=time.time(),
             )
-            pipe.xadd(keys.prompts(rec.id), {FIELD: encode(msg)})
+            append(pipe, keys.prompts(rec.id), encode(msg))
             n += 1
         if n == 0:
             return 0  # a finite prompt source ran out

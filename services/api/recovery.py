@@ -31,6 +31,7 @@ from shared.bus import Bus
 from shared.dataset import new_dataset, read_dataset
 from shared.fence import max_epoch
 from shared.job import JobRecord, JobState, insert_job
+from shared.policy import init_pointer
 from shared.schema import decode_heartbeat
 from shared.store import MANIFEST, ObjectStore, StoreError
 
@@ -116,7 +117,7 @@ def recover_jobs(r: redis.Redis, store: ObjectStore, job_ids: list[str] | None =
         Bus.ensure_groups(r, rec.id)
         pipe = r.pipeline(transaction=True)
         insert_job(pipe, rec)
-        pipe.set(keys.policy_pointer(rec.id), max(0, o.checkpoint_step))
+        init_pointer(pipe, rec.id, o.checkpoint_step)
         pipe.set(keys.trainer_epoch(rec.id), max_epoch(store, rec.id))
         n = o.groups_trained
         pipe.hset(keys.ledger(rec.id), mapping={"fed": n, "produced": n, "scored": n, "trained": n, "dead": 0})
