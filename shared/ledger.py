@@ -57,6 +57,20 @@ return out
 """
 
 
+def init_ledger(pipe: redis.client.Pipeline, job_id: str, settled: int = 0) -> None:
+    """Queue the ledger of a job that starts with `settled` groups already trained (0 for a new job;
+    a job registered again from the store after Redis lost it starts from its checkpoint's count,
+    with every earlier stage balanced against it, so the invariant holds from the first audit)."""
+    n = max(0, settled)
+    pipe.hset(keys.ledger(job_id), mapping={"fed": n, "produced": n, "scored": n, "trained": n, "dead": 0})
+
+
+def count(r: redis.Redis | redis.client.Pipeline, job_id: str, counter: str, n: int = 1) -> None:
+    """`counter += n` outside the bus's scripts: the feeder's `fed`, queued in the transaction that
+    appends the prompts, and the trainer's `segments_refused`, a tally no entry moves with."""
+    r.hincrby(keys.ledger(job_id), counter, n)
+
+
 class UnknownJob(KeyError):
     """audit() of a job whose ledger does not exist."""
 

@@ -22,6 +22,7 @@ from shared.backlog import budget_problem, feed_room
 from shared.bus import append, trim_job
 from shared.domain.tasks import TaskItem, task_for_job
 from shared.job import JobRecord, JobState, UnreadableJob, load_job, set_state, update_job
+from shared.ledger import count
 from shared.metrics import read_evals, read_ledger
 from shared.policy import read_pointer
 from shared.schema import PromptMsg, encode
@@ -130,7 +131,7 @@ class Feeder:
             return 0  # a finite prompt source ran out
         # Count what was actually fed, in the same MULTI/EXEC as the prompts, so the
         # durable position (`fed`) always equals the prompts in the stream.
-        pipe.hincrby(keys.ledger(rec.id), "fed", n)
+        count(pipe, rec.id, "fed", n)
         pipe.execute()
         self._iters[rec.id] = (fed + n, it)
         return n

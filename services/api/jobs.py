@@ -17,6 +17,7 @@ from services.api.checks import check_spec, job_warnings
 from shared import keys
 from shared.bus import Bus
 from shared.job import JobRecord, JobSpec, JobState, UnreadableJob, insert_job, load_job, parse_job, update_job
+from shared.ledger import init_ledger
 from shared.metrics import read_evals, read_ledger, read_points
 from shared.policy import init_pointer, read_pointer
 from shared.store import ObjectStore
@@ -41,7 +42,7 @@ def create_job(r: redis.Redis, *, spec: JobSpec) -> JobRecord:
     pipe = r.pipeline(transaction=True)
     insert_job(pipe, rec)
     init_pointer(pipe, rec.id)  # version 0 = the base model, no adapter
-    pipe.hset(keys.ledger(rec.id), mapping={"fed": 0, "produced": 0, "scored": 0, "trained": 0, "dead": 0})
+    init_ledger(pipe, rec.id)
     pipe.sadd(keys.active_jobs(), rec.id)
     pipe.execute()
     return rec

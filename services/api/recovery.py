@@ -31,6 +31,7 @@ from shared.bus import Bus
 from shared.dataset import new_dataset, read_dataset
 from shared.fence import max_epoch
 from shared.job import JobRecord, JobState, insert_job
+from shared.ledger import init_ledger
 from shared.policy import init_pointer
 from shared.schema import decode_heartbeat
 from shared.store import MANIFEST, ObjectStore, StoreError
@@ -119,8 +120,7 @@ def recover_jobs(r: redis.Redis, store: ObjectStore, job_ids: list[str] | None =
         insert_job(pipe, rec)
         init_pointer(pipe, rec.id, o.checkpoint_step)
         pipe.set(keys.trainer_epoch(rec.id), max_epoch(store, rec.id))
-        n = o.groups_trained
-        pipe.hset(keys.ledger(rec.id), mapping={"fed": n, "produced": n, "scored": n, "trained": n, "dead": 0})
+        init_ledger(pipe, rec.id, o.groups_trained)
         if not finished:
             pipe.sadd(keys.active_jobs(), rec.id)
         pipe.execute()

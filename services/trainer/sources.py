@@ -35,6 +35,7 @@ from shared.backlog import done_positions, expire_segments, mark_done, read_inde
 from shared.bus import Bus, Entry, decode_each
 from shared.job import JobRecord
 from shared.lease import Fence
+from shared.ledger import count
 from shared.schema import DeadLetter, GroupMsg, encode_dead
 from shared.segments import SegmentInfo, SegmentRefused, delete_segment, read_segment, segment_prefix
 from shared.store import ObjectStore
@@ -245,7 +246,7 @@ class Sources:
             for p in positions
         ]
         marked, _ = mark_done(self.r, self.job_id, seg, positions, "dead", fence=self._fence(), dead=dead)
-        self.r.hincrby(keys.ledger(self.job_id), "segments_refused", 1)
+        count(self.r, self.job_id, "segments_refused")
         self.stats.segments_refused += 1
         log.error("job %s: backlog segment %s refused, %d groups dead-lettered: %s", self.job_id, seg, marked, reason)
 
