@@ -193,31 +193,39 @@ print(json.dumps(pair_lines(runs, {x["setup"] for x in runs}, 0.5, many)))
 """
 
 
-def test_burst_replica_reading_pairs_each_replica_setup_with_the_same_job_without_one():
-    def run(setup, rnd, to, billable, evals):
-        return {
-            "setup": setup,
-            "round": rnd,
-            "to_threshold": to,
-            "billable_s": billable,
-            "evals": [{"t": t, "accuracy": acc} for t, acc in evals],
-        }
+def _run(setup: str, rnd: int, to: float | None, billable: float, evals: list[tuple[float, float]]) -> dict:
+    """One run's record as bench/burst.py writes it, with only the fields pair_lines reads."""
+    return {
+        "setup": setup,
+        "round": rnd,
+        "to_threshold": to,
+        "billable_s": billable,
+        "evals": [{"t": t, "accuracy": acc} for t, acc in evals],
+    }
 
-    runs = [
-        # round 0: the replica reaches 0.5 in 12 s against 24 s; at its 70 billable s 0.8 vs 0.6
-        run("m2po_limit", 0, 24.0, 72.0, [(0, 0.2), (24, 0.5), (60, 0.6), (71, 0.7)]),
-        run("replica_limit", 0, 12.0, 70.0, [(0, 0.2), (12, 0.55), (69, 0.8)]),
-        # round 1: the replica never reaches it
-        run("replica_limit", 1, None, 70.0, [(0, 0.2), (50, 0.4)]),
-        run("m2po_limit", 1, 30.0, 71.0, [(0, 0.2), (30, 0.52)]),
-        # a replica run without its pair (m2po) is not read
-        run("replica", 0, 10.0, 70.0, [(0, 0.2)]),
-    ]
+
+def _pair_line(runs: list[dict]) -> str:
+    """pair_lines' one line for these runs, read in a fresh interpreter as the page builder does."""
     proc = subprocess.run(
         [sys.executable, "-c", REPLICA, json.dumps([runs, True])], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = json.loads(proc.stdout.strip().splitlines()[-1])
+    return line
+
+
+def test_burst_replica_reading_pairs_each_replica_setup_with_the_same_job_without_one():
+    runs = [
+        # round 0: the replica reaches 0.5 in 12 s against 24 s; at its 70 billable s 0.8 vs 0.6
+        _run("m2po_limit", 0, 24.0, 72.0, [(0, 0.2), (24, 0.5), (60, 0.6), (71, 0.7)]),
+        _run("replica_limit", 0, 12.0, 70.0, [(0, 0.2), (12, 0.55), (69, 0.8)]),
+        # round 1: the replica never reaches it
+        _run("replica_limit", 1, None, 70.0, [(0, 0.2), (50, 0.4)]),
+        _run("m2po_limit", 1, 30.0, 71.0, [(0, 0.2), (30, 0.52)]),
+        # a replica run without its pair (m2po) is not read
+        _run("replica", 0, 10.0, 70.0, [(0, 0.2)]),
+    ]
+    line = _pair_line(runs)
     assert line.startswith(
         "- backlog + M2PO, staleness limit 16 + burst-side replica / backlog + M2PO, staleness limit 16"
     )
@@ -226,26 +234,13 @@ def test_burst_replica_reading_pairs_each_replica_setup_with_the_same_job_withou
 
 
 def test_burst_pair_reading_reads_dynamic_sampling_against_the_same_job_without_it():
-    def run(setup, rnd, to, billable, evals):
-        return {
-            "setup": setup,
-            "round": rnd,
-            "to_threshold": to,
-            "billable_s": billable,
-            "evals": [{"t": t, "accuracy": acc} for t, acc in evals],
-        }
-
     runs = [
-        run("m2po_limit", 0, 12.0, 72.0, [(0, 0.2), (12, 0.5), (72, 0.8)]),
-        run("m2po_limit_ds", 0, 9.0, 71.0, [(0, 0.2), (9, 0.5), (70, 0.9)]),
-        run("m2po_limit_ds", 1, 15.0, 70.0, [(0, 0.2), (15, 0.5), (69, 0.7)]),
-        run("m2po_limit", 1, 10.0, 71.0, [(0, 0.2), (10, 0.5), (70, 0.75)]),
+        _run("m2po_limit", 0, 12.0, 72.0, [(0, 0.2), (12, 0.5), (72, 0.8)]),
+        _run("m2po_limit_ds", 0, 9.0, 71.0, [(0, 0.2), (9, 0.5), (70, 0.9)]),
+        _run("m2po_limit_ds", 1, 15.0, 70.0, [(0, 0.2), (15, 0.5), (69, 0.7)]),
+        _run("m2po_limit", 1, 10.0, 71.0, [(0, 0.2), (10, 0.5), (70, 0.75)]),
     ]
-    proc = subprocess.run(
-        [sys.executable, "-c", REPLICA, json.dumps([runs, True])], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (line,) = json.loads(proc.stdout.strip().splitlines()[-1])
+    line = _pair_line(runs)
     assert line.startswith(
         "- backlog + M2PO, staleness limit 16, dynamic sampling / backlog + M2PO, staleness limit 16, billable s"
     )
