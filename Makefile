@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install install-containers images test-containers demo test test-fast lint format bench chaos plan clean down
+.PHONY: install install-containers images test-containers demo test test-fast lint docs models format bench chaos plan clean down
 
 $(STAMP): pyproject.toml
 	# OS packages the tests need: redis-server (tests start their own), chromium (dashboard test).
@@ -66,9 +66,22 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q $(XDIST) -m "not slow" $(TEST_ORDER)
 
+# ruff, and the layer rules of docs/architecture.md as import-linter contracts (pyproject.toml).
 lint: $(STAMP)
-	$(BIN)/ruff check shared services tests bench
-	$(BIN)/ruff format --check shared services tests bench
+	$(BIN)/ruff check shared services tests bench docs
+	$(BIN)/ruff format --check shared services tests bench docs
+	PYTHONPATH=. $(BIN)/lint-imports
+
+# The docs site (mkdocs-material): the hand-written pages of docs/, the reference pages generated from
+# their single sources (docs/gen_reference.py) and the benchmark pages of bench/results/. --strict:
+# a broken link or a page missing from the nav fails the build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true PYTHONPATH=. $(BIN)/mkdocs build --strict --site-dir .burstrl/site
+
+# Rebuild every shipped tiny model (shared/ml/weights/) by its recipe (shared/ml/recipes.py): minutes of
+# one-thread SFT each. A maintainer's step; review `git diff --stat shared/ml/weights` and run the tests.
+models: $(STAMP)
+	$(BIN)/python -c "from shared.ml.models import rebuild_shipped; rebuild_shipped()"
 
 format: $(STAMP)
 	$(BIN)/ruff format shared services tests bench

@@ -71,10 +71,10 @@ WORKLOADS = {
 
 def ensure_model(task: str) -> Path:
     """The workload's model, built offline on first use."""
-    from shared.ml.models import ensure_countup_model, ensure_tiny_model
+    from shared.ml.models import ensure_model
 
     path = WORKLOADS[task].model
-    return (ensure_countup_model if task == "countup" else ensure_tiny_model)(path)
+    return ensure_model(path.name, path)
 
 
 def time_to(evals: list[dict[str, Any]], threshold: float) -> float | None:

@@ -37,8 +37,8 @@ SHAPES = [
 
 def main(n: int = 64, k: int = 8) -> None:
     for model_dir, shapes in ((MODEL, SHAPES), (RG_MODEL, SHAPES[-1:])):
-        if not (Path(model_dir) / "burstrl_ready.json").exists():  # not built (or being rebuilt): say so
-            print(f"{model_dir}: not built (burstrl init-model{' --rg' if model_dir == RG_MODEL else ''})")
+        if not (Path(model_dir) / "burstrl_ready.json").exists():  # not installed: say so
+            print(f"{model_dir}: not installed (burstrl init-model{' --rg' if model_dir == RG_MODEL else ''})")
             continue
         probe(model_dir, shapes, n, k)
 

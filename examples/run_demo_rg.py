@@ -36,7 +36,7 @@ def main() -> None:
     spec = tomllib.loads(a.job.read_text())
     spec["steps"] = a.steps
     spec["base_model"] = str(Path(spec["base_model"]).resolve())
-    if Path(spec["base_model"]).name == RG_MODEL_NAME:  # the demo's own model: built once, cached
+    if Path(spec["base_model"]).name == RG_MODEL_NAME:  # the demo's own model: copied from the shipped one
         ensure_rg_model(Path(spec["base_model"]), log=console.print)
     a.home.mkdir(parents=True, exist_ok=True)
     launcher = Launcher(a.home / "run")

@@ -20,9 +20,8 @@ import redis
 
 from tests.support.servers import RedisServer, start_s3, stop
 
-# Fixtures that live beside their harness: `stack` (api + reward processes, for the dashboard);
-# and the slow model builds, started in the background as the session starts (tests/support/models.py).
-pytest_plugins = ["tests.support.dashboard", "tests.support.models"]
+# Fixtures that live beside their harness: `stack` (api + reward processes, for the dashboard).
+pytest_plugins = ["tests.support.dashboard"]
 
 
 @pytest.fixture(scope="session")
@@ -60,23 +59,23 @@ def s3_endpoint() -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    """The tiny SFT'd model, built once and cached under .burstrl/ (as `make demo` does)."""
-    from tests.support.models import build  # here: the plugin registers it first
+    """The tiny SFT'd model (shipped; copied under .burstrl/models, as `make demo` does)."""
+    from tests.support.models import build
 
     return build("tiny_model")
 
 
 @pytest.fixture(scope="module")
 def calc_model() -> Path:
-    """The tool-use (calculator) tiny model, built once and cached beside the tiny model."""
-    from tests.support.models import build  # here: the plugin registers it first
+    """The tool-use (calculator) tiny model (shipped)."""
+    from tests.support.models import build
 
     return build("calc_model")
 
 
 @pytest.fixture(scope="session")
 def teacher_model(tiny_model: Path) -> Path:
-    """The distillation teacher: the tiny model trained further on clean demonstrations."""
-    from tests.support.models import build  # here: the plugin registers it first
+    """The distillation teacher: the tiny model trained further on clean demonstrations (shipped)."""
+    from tests.support.models import build
 
     return build("teacher_model")

@@ -8,7 +8,6 @@ and stops everything it started (also on Ctrl-C or error).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ from rich.console import Console
 
 from services.cli.follow import follow_job, print_summary
 from services.cli.stack import start_stack
-from shared.ml.models import ensure_calc_model, ensure_python_model, ensure_tiny_model
+from shared.ml.models import ensure_model
 
 DEMO_JOB = {
     "name": "demo",
@@ -73,12 +72,12 @@ DEMO_PYTHON_JOB = {
     },
 }
 
-# What each `burstrl demo --env` runs: its job, its model's builder and folder (built once, cached
-# under home/models) and its plot's file name.
-DEMOS: dict[str, tuple[dict[str, Any], Callable[..., Path], str, str]] = {
-    "": (DEMO_JOB, ensure_tiny_model, "tiny-sft", "demo.png"),
-    "calc": (DEMO_CALC_JOB, ensure_calc_model, "tiny-calc", "demo-calc.png"),
-    "python": (DEMO_PYTHON_JOB, ensure_python_model, "tiny-python", "demo-python.png"),
+# What each `burstrl demo --env` runs: its job, its model (shipped, copied under home/models) and
+# its plot's file name.
+DEMOS: dict[str, tuple[dict[str, Any], str, str]] = {
+    "": (DEMO_JOB, "tiny-sft", "demo.png"),
+    "calc": (DEMO_CALC_JOB, "tiny-calc", "demo-calc.png"),
+    "python": (DEMO_PYTHON_JOB, "tiny-python", "demo-python.png"),
 }
 
 
@@ -86,9 +85,9 @@ def run_demo(home: Path, *, steps: int, keep_running: bool, console: Console, en
     """The GRPO demo; env="calc" or "python" runs a tool-use variant (each its own SFT'd tiny model)."""
     if env not in DEMOS:
         raise ValueError(f"no demo for environment {env!r} (try 'calc' or 'python')")
-    job, ensure, model_name, png_name = DEMOS[env]
+    job, model_name, png_name = DEMOS[env]
     t0 = time.time()
-    model = ensure(home / "models" / model_name, log=console.print)
+    model = ensure_model(model_name, home / "models" / model_name, log=console.print)
     console.print(f"[dim]model ready in {time.time() - t0:.0f}s[/]")
     launcher = None
     try:

@@ -16,7 +16,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="burstrl: GRP
 console = Console()
 HOME = Path(os.environ.get("BURSTRL_HOME", ".burstrl"))
 TINY = HOME / "models" / "tiny-sft"
-TINY_RG = HOME / "models" / RG_MODEL_NAME
 
 
 def _api(url: str | None) -> str:
@@ -33,19 +32,24 @@ def _headers() -> dict[str, str]:
 
 @app.command("init-model")
 def init_model(
-    out: Annotated[Path | None, typer.Option(help="Where to write the SFT-warm-started model.")] = None,
-    force: bool = False,
+    out: Annotated[Path | None, typer.Option(help="Where to put the model (default: .burstrl/models/<name>).")] = None,
+    name: Annotated[
+        str, typer.Option(help="Which tiny model: tiny-sft (the demo's), tiny-calc, tiny-python, ...")
+    ] = "tiny-sft",
     rg: Annotated[
-        bool, typer.Option("--rg", help="The reasoning-gym demo's model instead (examples/demo_rg.toml).")
+        bool, typer.Option("--rg", help="The reasoning-gym demo's model (examples/demo_rg.toml): --name tiny-sft-rg.")
+    ] = False,
+    rebuild: Annotated[
+        bool,
+        typer.Option(help="Build it by its recipe (minutes of SFT on one thread) instead of copying the shipped one."),
     ] = False,
 ) -> None:
-    """Build the tiny offline model (tokenizer + Qwen2) and warm-start it by SFT (--rg: the rg demo's)."""
-    from shared.ml.models import ensure_rg_model, ensure_tiny_model
+    """Put a tiny model where the services load it: a copy of the shipped bytes (or --rebuild it)."""
+    from shared.ml.models import ensure_model
 
     if rg:
-        path = ensure_rg_model(out or TINY_RG, force=force, log=console.print)
-    else:
-        path = ensure_tiny_model(out or TINY, force=force, log=console.print)
+        name = RG_MODEL_NAME
+    path = ensure_model(name, out or HOME / "models" / name, rebuild=rebuild, log=console.print)
     console.print(f"[green]model ready:[/] {path}")
 
 
