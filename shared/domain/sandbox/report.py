@@ -8,6 +8,7 @@ caller (and so never a zero for the other completions of a group).
 
 from __future__ import annotations
 
+import re
 import signal
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,10 +30,22 @@ RECORD_FIELDS: dict[str, type] = {
     "error": str,
     "exit": str,
     "corrupted": bool,
+    "output_limit": bool,
     "stop": int,
     "fatal": str,
     "done": bool,
 }
+
+
+# A str holds a surrogate code point only unpaired: JSON's "\\ud800" escape, or a byte of
+# output that was not UTF-8 (the worker decodes with surrogateescape). Neither encodes as UTF-8:
+# one in a verdict's text made the reward service's answer a 500.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_text(text: str) -> tuple[str, int]:
+    """`text` with each lone surrogate replaced by U+FFFD, and how many there were."""
+    return _SURROGATE.subn("\ufffd", text)
 
 
 @dataclass
@@ -76,7 +89,9 @@ def read_report(out: bytes, err: bytes, rc: int | None, timed_out: bool, n_tests
     if "setup_error" in env:
         raise SandboxUnavailable(explain(f"sandbox setup failed inside the namespaces: {env['setup_error']}"))
     if "supervisor_error" in env or not isinstance(env.get("report"), str):
-        return Report(failure=("sandbox_error", str(env.get("supervisor_error", "malformed envelope"))[:300]))
+        return Report(
+            failure=("sandbox_error", valid_text(str(env.get("supervisor_error", "malformed envelope"))[:300])[0])
+        )
     exit_code = env.get("exit")
     rep = Report(overflow=env.get("overflow") is True, exit_code=exit_code if type(exit_code) is int else 0)
     lines = env["report"].split("\n")
@@ -87,6 +102,11 @@ def read_report(out: bytes, err: bytes, rc: int | None, timed_out: bool, n_tests
             return Report(failure=("report_corrupted", ""))
         if not _valid(rec, n_tests):
             return Report(failure=("report_corrupted", ""))
+        for k, v in list(rec.items()):  # every text that leaves here encodes as UTF-8
+            if type(v) is str:
+                rec[k], replaced = valid_text(v)
+                if k == "stdout" and replaced:
+                    rec["replaced"] = replaced
         if "fatal" in rec:
             rep.fatal = rec["fatal"]
         elif rec.get("done") is True:
