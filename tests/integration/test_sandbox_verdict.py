@@ -146,7 +146,8 @@ IDIOMS = {
     "stdout.write": "import sys\nsys.stdout.write(str(sum(map(int, sys.stdin.read().split()))) + '\\n')",
     "os.write(1)": "import os\nos.write(1, b'%d\\n' % sum(map(int, os.read(0, 99).split())))",
     "print to stderr too": "import sys\nprint('debug', file=sys.stderr)\nprint(sum(map(int, open(0).read().split())))",
-    "PyRival FastIO": FASTIO + "a, b = map(int, input().split())\nc, d = map(int, input().split())\nprint(a + b + c + d)",
+    "PyRival FastIO": FASTIO
+    + "a, b = map(int, input().split())\nc, d = map(int, input().split())\nprint(a + b + c + d)",
     "PyRival FastIO, all at once": FASTIO + "print(sum(map(int, sys.stdin.read().split())))",
 }
 
