@@ -8,13 +8,13 @@ caller (and so never a zero for the other completions of a group).
 
 from __future__ import annotations
 
-import re
 import signal
 from dataclasses import dataclass, field
 from typing import Any
 
 from shared.domain.sandbox._harness import loads_bounded
 from shared.domain.sandbox.errors import SandboxUnavailable, explain
+from shared.text import valid_text
 
 SIGNAL_REASONS: dict[int, str] = {
     signal.SIGXCPU: "cpu_time_limit",
@@ -35,17 +35,6 @@ RECORD_FIELDS: dict[str, type] = {
     "fatal": str,
     "done": bool,
 }
-
-
-# A str holds a surrogate code point only unpaired: JSON's "\\ud800" escape, or a byte of
-# output that was not UTF-8 (the worker decodes with surrogateescape). Neither encodes as UTF-8:
-# one in a verdict's text made the reward service's answer a 500.
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def valid_text(text: str) -> tuple[str, int]:
-    """`text` with each lone surrogate replaced by U+FFFD, and how many there were."""
-    return _SURROGATE.subn("\ufffd", text)
 
 
 @dataclass
@@ -102,7 +91,9 @@ def read_report(out: bytes, err: bytes, rc: int | None, timed_out: bool, n_tests
             return Report(failure=("report_corrupted", ""))
         if not _valid(rec, n_tests):
             return Report(failure=("report_corrupted", ""))
-        for k, v in list(rec.items()):  # every text that leaves here encodes as UTF-8
+        # Every text that leaves here encodes as UTF-8: an output byte that was not UTF-8, or a
+        # "\ud800" escape in an error's text, crossed as a lone surrogate.
+        for k, v in list(rec.items()):
             if type(v) is str:
                 rec[k], replaced = valid_text(v)
                 if k == "stdout" and replaced:
