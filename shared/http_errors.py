@@ -20,6 +20,7 @@ import re
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi import HTTPException as FastAPIHTTPException  # its detail may be a list of errors
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
@@ -111,7 +112,7 @@ def _surrogate(hexdigits: bytes | None) -> str:
     return "high" if 0xD800 <= code <= 0xDBFF else "low" if 0xDC00 <= code <= 0xDFFF else ""
 
 
-class LoneSurrogate(HTTPException):
+class LoneSurrogate(FastAPIHTTPException):
     """Raised from `receive` when the body holds a lone surrogate escape: an HTTPException, so
     FastAPI's body reader passes it on to the handler below, which answers 422."""
 

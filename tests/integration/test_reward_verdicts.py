@@ -155,3 +155,8 @@ def test_sandbox_run_answers_output_that_is_not_utf8(reward: tuple[str, redis.Re
     assert r.json()["reason"] == "ok" and "not valid UTF-8" in r.json()["detail"], r.json()
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
     assert 'burstrl_reward_tool_runs_total{reason="runtime_error"} 2.0' in metrics
+    # A lone surrogate escape in the request itself: a 422 that says so (the reward service's
+    # errors are made where every service's are).
+    body = b'{"code": "print(input())", "stdin": "\\ud800", "timeout_s": 5}'
+    r = httpx.post(run, content=body, headers={**AUTH, "Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 422 and r.json()["detail"][0]["type"] == "lone_surrogate", r.text
