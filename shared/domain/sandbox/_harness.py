@@ -207,7 +207,7 @@ def collect(pid, limits):
                 live.discard(fd)  # every writer closed it
             elif len(got[fd]) + len(chunk) > limits[fd]:
                 overflow = True
-                _kill(pid)
+                _kill(pid, reaped=status is not None)
                 break
             else:
                 got[fd] += chunk
@@ -223,12 +223,17 @@ def collect(pid, limits):
     return {fd: bytes(data) for fd, data in got.items()}, overflow, os.waitstatus_to_exitcode(status)
 
 
-def _kill(pid):
-    for kill in (os.killpg, os.kill):  # its group, once it has made one; else itself
-        try:
-            kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
+def _kill(pid, reaped):
+    """SIGKILL the test's process group; before the child made one, the child itself (never a
+    pid already reaped: it may be another process's now)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        if not reaped:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def input_fd(text):
@@ -349,7 +354,7 @@ def run_tests(payload, report_fd):
         got, overflow, code = collect(pid, {rd: limit, out_rd: 4 * cap})  # UTF-8: at most 4 bytes a character
         os.close(rd)
         os.close(out_rd)
-        _kill(pid)
+        _kill(pid, reaped=True)
         # Bytes that are not UTF-8 cross as lone surrogates; the parent shows them as U+FFFD.
         stdout = got[out_rd].decode("utf-8", "surrogateescape")
         if overflow or len(stdout) > cap:
