@@ -11,13 +11,13 @@ import os
 import re
 from collections.abc import Callable
 
-_PREFIX_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
+_PREFIX_RE = re.compile(r"[A-Za-z0-9_-]{1,32}")  # the whole prefix (fullmatch)
 
 
 def _prefix() -> str:
     """BURSTRL_REDIS_PREFIX, checked: a ':' in it would make stream names ambiguous to parse."""
     p = os.environ.get("BURSTRL_REDIS_PREFIX", "burstrl")
-    if not _PREFIX_RE.match(p):
+    if not _PREFIX_RE.fullmatch(p):
         raise ValueError(f"BURSTRL_REDIS_PREFIX={p!r}: use 1-32 characters of [A-Za-z0-9_-]")
     return p
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+
+from shared.text import invisible_chars
 
 # -- the api's door --------------------------------------------------------------------
 # A real spec is a few kB; a long few-shot template (20 kB) and a judge prompt or two
@@ -23,6 +25,9 @@ BODY_MAX_BYTES = 1 << 20
 # A 422 names the field and says what to fix; it echoes the offending value only up to
 # this many characters, so a refused 10 MB string is not sent back whole.
 ERROR_INPUT_MAX_CHARS = 200
+# A 422 lists at most this many errors, then says how many more there were: a body of 100,000
+# unknown keys made a 9.7 MB answer. The first few are what a client fixes first anyway.
+ERROR_LIST_MAX = 20
 
 # -- strings ---------------------------------------------------------------------------
 # Registered names (tasks, verifiers, environments, reward parts): short identifiers.
@@ -94,10 +99,23 @@ class SpecModel(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-Name = Annotated[str, StringConstraints(max_length=NAME_MAX)]
-ModelRef = Annotated[str, StringConstraints(max_length=MODEL_REF_MAX)]
-Column = Annotated[str, StringConstraints(max_length=COLUMN_MAX)]
-ArgKey = Annotated[str, StringConstraints(min_length=1, max_length=NAME_MAX)]
+def shown(value: str) -> str:
+    """A string shown to people as an identifier (dashboard, CLI, logs): no control or format
+    characters (a newline, a bidi override, a zero-width space), which would change how it, or
+    the text around it, displays (shared/text.py)."""
+    if found := invisible_chars(value):
+        raise ValueError(
+            f"holds {', '.join(found[:5])}: control and format characters (newlines, bidi overrides, zero-width "
+            "spaces, Unicode categories Cc, Cf, Cs, Zl, Zp) are in no name, id or path"
+        )
+    return value
+
+
+Shown = AfterValidator(shown)
+Name = Annotated[str, StringConstraints(max_length=NAME_MAX), Shown]
+ModelRef = Annotated[str, StringConstraints(max_length=MODEL_REF_MAX), Shown]
+Column = Annotated[str, StringConstraints(max_length=COLUMN_MAX), Shown]
+ArgKey = Annotated[str, StringConstraints(min_length=1, max_length=NAME_MAX), Shown]
 ArgStr = Annotated[str, StringConstraints(max_length=ARG_STR_MAX)]
 ArgInt = Annotated[int, Field(ge=-ARG_NUMBER_MAX, le=ARG_NUMBER_MAX)]
 ArgFloat = Annotated[float, Field(ge=-float(ARG_NUMBER_MAX), le=float(ARG_NUMBER_MAX))]

@@ -25,9 +25,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from shared import __version__, keys
+from shared import __version__, http_errors, keys
 from shared.bus import Bus
 from shared.dataset import DatasetGuard
+from shared.http_errors import SafeJSONResponse
 from shared.redis_conn import RedisPolicyError, check_server, connect, refusal
 from shared.schema import Heartbeat, encode_heartbeat
 from shared.settings import DEFAULT_PORTS, CommonSettings
@@ -107,7 +108,9 @@ class ServiceRuntime:
         self.started_at = time.time()
 
     def _build_app(self) -> FastAPI:
-        app = FastAPI(title=f"burstrl {self.role}", version=__version__)
+        # Every answer encodes, and every error answer is small (shared/http_errors.py).
+        app = FastAPI(title=f"burstrl {self.role}", version=__version__, default_response_class=SafeJSONResponse)
+        http_errors.install(app)
 
         @app.get("/healthz", tags=["health"])
         def healthz() -> dict[str, Any]:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from typing import Self
+from typing import Annotated, Self
 
 from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.limits import Shown
 
 PLACEHOLDER_TOKENS = {"", "changeme", "change-me", "secret", "token", "dev", "password"}
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
@@ -48,7 +50,7 @@ class CommonSettings(BaseSettings):
     port: int = Field(
         0, validation_alias="BURSTRL_PORT", ge=0, le=65535, description="HTTP port; 0 uses the role's default."
     )
-    replica: str = Field(
+    replica: Annotated[str, Shown] = Field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
         validation_alias="BURSTRL_REPLICA",
         description="Replica id shown in the service registry.",

@@ -7,7 +7,7 @@ from the registered task named by `JobSpec.task` (e.g. "arith").
 from __future__ import annotations
 
 import re
-from typing import Literal, Self
+from typing import Annotated, Literal, Self
 
 from pydantic import Field, model_validator
 
@@ -22,6 +22,7 @@ from shared.limits import (
     ArgScalar,
     Column,
     Name,
+    Shown,
     SpecModel,
 )
 
@@ -48,7 +49,7 @@ class SourceSpec(SpecModel):
     """Prompts from local files or the local Hugging Face cache (never downloaded at run time)."""
 
     kind: Literal["jsonl", "parquet", "hf"] = Field(..., description="File format, or a `datasets` dataset.")
-    path: str = Field(
+    path: Annotated[str, Shown] = Field(
         ...,
         min_length=1,
         max_length=PATH_MAX,

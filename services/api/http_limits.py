@@ -1,23 +1,19 @@
-"""The api's door: a body-size limit enforced before parsing, and 422s that stay small and valid.
+"""The api's door: a body-size limit enforced before parsing.
 
 A 10 MB body used to be parsed, validated and echoed back whole in the 422, holding the
-event loop (and /healthz) for seconds; a NaN in a body made the 422 itself unserialisable
-(a 500, then a reset connection). Limits are in shared/limits.py.
+event loop (and /healthz) for seconds. Limits are in shared/limits.py; the 422s that stay
+small and valid are every service's (shared/http_errors.py).
 """
 
 from __future__ import annotations
 
 import json
-import math
-from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from shared.limits import BODY_MAX_BYTES, ERROR_INPUT_MAX_CHARS
+from shared.limits import BODY_MAX_BYTES
 
 
 def too_large_message(limit: int) -> str:
@@ -91,43 +87,7 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
-def _small(value: Any) -> Any:
-    """`value` if it is small and valid JSON, else a short description of it."""
-    try:
-        text = json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError):  # NaN, an infinity, or not JSON at all
-        text = None
-    if text is not None and len(text) <= ERROR_INPUT_MAX_CHARS:
-        return value
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # "inf", "nan": JSON has no literal for them
-    shown = repr(value)
-    size = f"{len(value)} characters" if isinstance(value, str) else f"{len(shown)} characters as text"
-    return f"{shown[:ERROR_INPUT_MAX_CHARS]}... ({type(value).__name__}, {size}; cut)"
-
-
-def small_errors(errors: Any) -> list[dict[str, Any]]:
-    """pydantic/FastAPI error dicts with `input` and `ctx` cut down to JSON-safe, short values."""
-    out = []
-    for err in errors:
-        e = {k: v for k, v in err.items() if k not in ("input", "ctx", "url")}
-        e["loc"] = [x if isinstance(x, int | str) else str(x) for x in err.get("loc", ())]
-        if "input" in err:
-            e["input"] = _small(err["input"])
-        if isinstance(err.get("ctx"), dict):
-            e["ctx"] = {
-                k: _small(v if isinstance(v, int | float | str | bool | None) else str(v))
-                for k, v in err["ctx"].items()
-            }
-        out.append(e)
-    return out
-
-
 def install(app: FastAPI, max_bytes: int = BODY_MAX_BYTES) -> None:
-    """The body limit (outermost, before anything reads the body) and the small-422 handler."""
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse({"detail": small_errors(exc.errors())}, status_code=422)
-
+    """The body limit, outermost: before anything reads the body (the small, encodable error
+    answers every service gives are shared/http_errors.py's, installed by ServiceRuntime)."""
     app.add_middleware(BodyLimit, max_bytes=max_bytes)

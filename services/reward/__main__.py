@@ -10,7 +10,7 @@ from services.reward.tool_api import add_tool_routes
 from services.reward.worker import handle
 from shared import keys
 from shared.domain.sandbox import check_isolation
-from shared.domain.verifiers import verifier_names
+from shared.domain.verifiers import TagBudget, verifier_names
 from shared.service import ServiceRuntime, active_job_ids, setup_logging
 
 
@@ -42,10 +42,12 @@ def main() -> None:
         for t, n in tags.items():
             tagged.labels(t).inc(n)
 
+    budget = TagBudget()  # the tags a job may add to the label above and to its metric points
+
     def tick() -> None:
         streams = [keys.rollouts(j) for j in active_job_ids(rt.redis)]
         entries = bus.read(streams, count=settings.batch, block_ms=1000)
-        scored.inc(handle(bus, entries, scorer, count_tags))
+        scored.inc(handle(bus, entries, scorer, count_tags, budget))
 
     rt.run(tick, close=scorer.close)
 

@@ -44,6 +44,7 @@ class SandboxRunResponse(BaseModel):
     reason: str = Field(description='How it ended: "ok", "runtime_error:Kind", "wall_time_limit", "output_limit", ...')
     detail: str = Field(description="For errors, e.g. the exception's last traceback line.")
     seconds: float
+    replaced: int = Field(0, description="Characters of stdout that were not valid UTF-8, each shown as U+FFFD.")
 
 
 def tool_limits(settings: RewardSettings, timeout_s: float) -> Limits:

@@ -12,7 +12,7 @@ from shared import keys
 from shared.bus import Bus, Entry
 from shared.domain.scoring import group_work
 from shared.domain.tasks.base import total
-from shared.domain.verifiers import split_parts
+from shared.domain.verifiers import TagBudget, split_parts
 from shared.job import JobRecord, UnreadableJob, load_job
 from shared.metrics import record_point
 from shared.schema import GroupMsg, encode
@@ -30,15 +30,17 @@ def work_for(group: GroupMsg, rec: JobRecord) -> GroupWork:
     )
 
 
-def apply_scores(group: GroupMsg, parts: list[dict[str, float]]) -> GroupMsg:
+def apply_scores(group: GroupMsg, parts: list[dict[str, float]], tags: TagBudget | None = None) -> GroupMsg:
+    """The group scored: each completion's parts merged into its own, its tags bounded by `tags`
+    (the reward service's budget per job) before they reach labels, metric points and trackers."""
     for c, p in zip(group.completions, parts, strict=True):
         # Multi-turn episodes arrive with their environment's reward parts (and end tags,
         # e.g. "env!max_turns"): the reward is theirs plus the verifier's on the final answer.
         merged = dict(c.reward_parts)
         for k, v in p.items():
             merged[k] = merged.get(k, 0.0) + v
-        c.reward_parts = merged
-        c.reward = total(merged)
+        c.reward_parts = tags.bound(group.job_id, merged) if tags is not None else merged
+        c.reward = total(c.reward_parts)
     group.stage = "scored"
     return group
 
@@ -74,7 +76,7 @@ class JobStats:
         }
 
 
-def handle(bus: Bus, entries: list[Entry], scorer: Scorer, on_tags: Any = None) -> int:
+def handle(bus: Bus, entries: list[Entry], scorer: Scorer, on_tags: Any = None, tags: TagBudget | None = None) -> int:
     """Score a batch of entries (in parallel); each is forwarded (or dead-lettered) atomically."""
     t0 = time.monotonic()
     jobs: dict[str, JobRecord | str] = {}  # job id -> its record, or why there is none
@@ -97,7 +99,7 @@ def handle(bus: Bus, entries: list[Entry], scorer: Scorer, on_tags: Any = None) 
     stats: dict[str, JobStats] = defaultdict(JobStats)
     units: list[tuple[Entry, list[tuple[str, bytes]], dict[str, int]]] = []
     for (e, group, rec), parts in zip(todo, results, strict=True):
-        out = apply_scores(group, parts)
+        out = apply_scores(group, parts, tags)
         dest = keys.scored(e.job_id) if rec.spec.uses_ref else keys.ready(e.job_id)
         if not rec.spec.uses_ref:
             out.stage = "ready"

@@ -17,7 +17,6 @@ naming the field).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
@@ -28,17 +27,18 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from services.rollout.agent_episodes import AgentError
 from services.rollout.agents import AgentServer
+from shared.http_errors import SafeJSONResponse, small_errors
 from shared.limits import (
     ARG_STR_MAX,
     CHAT_BODY_MAX_BYTES,
     CHAT_CONTENT_MAX_CHARS,
     CHAT_MESSAGES_MAX,
     CHAT_TOOLS_MAX,
-    ERROR_INPUT_MAX_CHARS,
     FIELDS_MAX,
     NAME_MAX,
     STOP_MAX_CHARS,
     STOP_MAX_ITEMS,
+    Shown,
 )
 from shared.service import ServiceRuntime
 
@@ -121,7 +121,7 @@ class OpenGroup(BaseModel):
 
     fields: Annotated[
         dict[
-            Annotated[str, StringConstraints(min_length=1, max_length=NAME_MAX)],
+            Annotated[str, StringConstraints(min_length=1, max_length=NAME_MAX), Shown],
             Annotated[str, StringConstraints(max_length=ARG_STR_MAX)],
         ],
         Field(max_length=FIELDS_MAX),
@@ -135,7 +135,7 @@ class Reward(BaseModel):
     parts: (
         Annotated[
             dict[
-                Annotated[str, StringConstraints(min_length=1, max_length=NAME_MAX)],
+                Annotated[str, StringConstraints(min_length=1, max_length=NAME_MAX), Shown],
                 Annotated[float, Field(ge=-1e6, le=1e6)],
             ],
             Field(max_length=FIELDS_MAX),
@@ -177,15 +177,9 @@ async def _body(request: Request, model: type[BaseModel]) -> Any:
 
 
 def _errors(e: ValidationError) -> list[dict[str, Any]]:
-    """Pydantic's errors naming each field, without echoing a large input back."""
-    out = []
-    for err in e.errors(include_url=False, include_context=False):
-        item = {"type": err["type"], "loc": ["body", *err["loc"]], "msg": err["msg"]}
-        given = json.dumps(err.get("input"), default=str)
-        if len(given) <= ERROR_INPUT_MAX_CHARS:
-            item["input"] = err.get("input")
-        out.append(item)
-    return out
+    """Pydantic's errors naming each field in the body, as small as every service's (a few,
+    inputs cut: shared/http_errors.py)."""
+    return small_errors({**err, "loc": ["body", *err["loc"]]} for err in e.errors(include_url=False))
 
 
 def _checked_sampling(req: _Sampling, server: AgentServer, job_id: str) -> None:
@@ -293,4 +287,4 @@ async def _refused(_: Request, e: AgentError) -> JSONResponse:
         "detail": e.detail if e.detail is not None else e.reason,
         "error": {"message": e.reason, "type": kind.get(e.status, "invalid_request_error"), "code": e.status},
     }
-    return JSONResponse(body, status_code=e.status)
+    return SafeJSONResponse(body, status_code=e.status)

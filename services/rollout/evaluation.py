@@ -36,7 +36,7 @@ from shared.domain.envs import EnvError
 from shared.domain.scoring import GroupWork, Scorer, group_work
 from shared.domain.tasks import task_for_job
 from shared.domain.tasks.base import TaskItem, total
-from shared.domain.verifiers import split_parts
+from shared.domain.verifiers import TagBudget, split_parts
 from shared.metrics import record_eval
 from shared.service import ServiceRuntime
 
@@ -86,6 +86,7 @@ class Evaluator:
         self._scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval-score")  # the scorer's one caller
         self.running: dict[str, Evaluation] = {}  # job -> its evaluation in progress
         self._turn = ""  # the job whose evaluation ran the last round (rounds go round-robin)
+        self.tags = TagBudget()  # the score tags an evaluation may record per job (drawn from completions)
         self._given_up: set[tuple[str, int]] = set()  # (job, version) this replica could not evaluate
 
     @property
@@ -236,7 +237,7 @@ class Evaluator:
                 rewards.extend(v + e for v, e in zip(verified, rnd.env_rewards[i], strict=True))
                 correct.append(sum(v >= 1.0 for v in verified))
                 greedy_ok.append(total(greedy[0]) >= 1.0)
-                tags.update(t for p in [*sampled, *greedy] for t in split_parts(p)[1])
+                tags.update(t for p in [*sampled, *greedy] for t in split_parts(self.tags.bound(ev.view.id, p))[1])
         n = len(correct)
         p1 = sum(pass_at_k(k, c, 1) for c in correct) / n
         result: dict[str, Any] = {

@@ -149,6 +149,18 @@ def test_other_verifier_args_are_checked(client):
     assert client.post("/v1/jobs", json=_verifier("regex", pattern=r"^\d+$", flags="im")).status_code == 201
 
 
+@pytest.mark.parametrize(
+    ("arg", "value", "cap"),
+    [("parallel", 100_000, "16"), ("cpu_s", 11, "10"), ("wall_s", 30.5, "30.0"), ("memory_mb", 4096, "1024")],
+)
+def test_code_limits_above_their_caps_are_refused(client, arg, value, cap):
+    # parallel went straight to the thread pool (the api accepted 100,000); the others were cut silently.
+    resp = client.post("/v1/jobs", json=_verifier("code", **{arg: value}))
+    assert _loc(resp)[-1] == arg
+    assert f"at most {cap}" in resp.json()["detail"][0]["msg"], resp.json()
+    assert client.post("/v1/jobs", json=_verifier("code", parallel=16, cpu_s=10, wall_s=30)).status_code == 201
+
+
 def _source(path: Path, **extra) -> dict:
     return {
         "base_model": "m",

@@ -34,13 +34,14 @@ def test_the_report_channel_is_closed_to_the_solution(forged: bytes) -> None:
 
 @pytest.mark.parametrize("forged", FORGERIES)
 def test_forgeries_on_any_descriptor_hurt_only_the_forger(forged: bytes) -> None:
-    # Whatever descriptor a solution finds, what it writes there is its own result at worst.
+    # Whatever descriptor a solution finds, what it writes there is its own result at worst:
+    # fd 1 is its real stdout, so the forgery is its output there (wrong, or over the cap).
     spray = (
         "import os\nfor fd in range(64):\n    try:\n"
         f"        os.write(fd, {forged!r})\n    except OSError:\n        pass\n"
     )
     r = run_code(spray + GOOD_ADD, ADD, TIGHT)
-    assert all(t.reason in ("ok", "report_corrupted") for t in r.tests), r
+    assert all(t.reason in ("ok", "report_corrupted", "wrong_answer", "output_limit") for t in r.tests), r
     assert run_code(GOOD_ADD, ADD, TIGHT).fraction == 1.0
 
 

@@ -36,6 +36,7 @@ or container must allow.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -46,6 +47,8 @@ from shared.domain.sandbox.limits import Limits, SandboxSettings, settings
 from shared.domain.sandbox.report import read_report
 from shared.domain.sandbox.run import HARNESS_PATH, spawn
 from shared.domain.sandbox.verdict import ProgramResult, RunResult, TestResult, judge, program_result
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "HARNESS_PATH",
@@ -74,8 +77,14 @@ def run_code(code: str, tests: list[dict[str, Any]], limits: Limits | None = Non
     t0 = time.monotonic()
     # Only what the solution needs crosses in: never the expected outputs.
     visible: list[dict[str, Any]] = [{k: t[k] for k in ("stdin", "call", "args") if k in t} for t in tests]
-    rep = read_report(*spawn(code, visible, lim), len(tests), lim.max_report)
-    res = judge(tests, rep, lim.max_output)
+    ran = spawn(code, visible, lim)
+    try:
+        res = judge(tests, read_report(*ran, len(tests), lim.max_report), lim.max_output)
+    except SandboxUnavailable:
+        raise
+    except Exception as e:  # noqa: BLE001  (a verdict not reached scores this solution alone, never its group)
+        log.warning("judging a run failed, scored 0 (judge_error): %s: %s", type(e).__name__, str(e)[:200])
+        res = RunResult([TestResult(False, "judge_error") for _ in tests], "judge_error", type(e).__name__)
     res.seconds = time.monotonic() - t0
     return res
 

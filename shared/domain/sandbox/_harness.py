@@ -11,15 +11,17 @@ Three processes, each trusting less:
   Its death tears the whole pid namespace down.
 - the worker runs no solution code at all: it forks one child per test and turns what
   each child sends back into one checked report line. The report pipe is its alone.
-- each test's child closes the report pipe, then runs the solution; all it can reach is
-  its own result pipe, which the worker reads with a size bound and parses strictly. So
-  whatever a solution writes anywhere changes at most its own result, never the report's
-  shape, and one test's tampering cannot leak into the next test.
+- each test's child closes the report pipe, then runs the solution as a judge would: fd 0
+  a sealed in-memory file holding the test's input, fd 1 a pipe the worker reads (capped),
+  fd 2 /dev/null. All else it can reach is its own result pipe (fd 3), which the worker
+  reads with a size bound and parses strictly. So whatever a solution writes anywhere
+  changes at most its own output and result, never the report's shape, and one test's
+  tampering cannot leak into the next test.
 """
 
 import base64
 import ctypes
-import io
+import fcntl
 import json
 import os
 import re
@@ -186,58 +188,82 @@ def jail(payload):
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, f"size={int(payload['tmpfs_mb'])}m,mode=0700")
     os.chdir("/tmp")
     os.environ.update({"HOME": "/tmp", "TMPDIR": "/tmp"})
-    _set_limits(payload["rlimits"])
+    # The file size limit is set in each test's child, once it has written the test's input.
+    _set_limits({k: v for k, v in payload["rlimits"].items() if k != "fsize"})
     _drop_privileges(base64.b64decode(payload["seccomp"]))
 
 
 # -- running the tests -------------------------------------------------------------------
-class CappedWriter(io.TextIOBase):
-    """sys.stdout for the solution: keeps at most `cap` characters, then stops it."""
-
-    def __init__(self, cap):
-        self.buf, self.n, self.cap = [], 0, cap
-
-    def writable(self):
-        return True
-
-    def write(self, s):
-        self.n += len(s)
-        if self.n > self.cap:
-            raise OverflowError("output limit exceeded")
-        self.buf.append(s)
-        return len(s)
-
-    def getvalue(self):
-        return "".join(self.buf)
-
-
-def collect(fd, pid, limit):
-    """Read `fd` until `pid` exits (or `limit` bytes: then kill it). (data, overflow, status)."""
-    got, overflow, status = bytearray(), False, None
-    while True:
-        # Stop when the process exits even if something it forked still holds the pipe.
-        ready, _, _ = select.select([fd], [], [], 0.02)
-        chunk = os.read(fd, 65536) if ready else b""
-        if len(got) + len(chunk) > limit:
-            overflow = True
-            os.kill(pid, signal.SIGKILL)
-        else:
-            got += chunk
+def collect(pid, limits):
+    """Read each descriptor of `limits` ({fd: most bytes}) until `pid` exits; past a limit,
+    kill it. Returns ({fd: data}, overflowed, exit code)."""
+    got = {fd: bytearray() for fd in limits}
+    live, overflow, status = set(limits), False, None
+    while live and not overflow:
+        ready, _, _ = select.select(sorted(live), [], [], 0.02)
+        for fd in ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                live.discard(fd)  # every writer closed it
+            elif len(got[fd]) + len(chunk) > limits[fd]:
+                overflow = True
+                _kill(pid, reaped=status is not None)
+                break
+            else:
+                got[fd] += chunk
         if status is None:
             done, st = os.waitpid(pid, os.WNOHANG)
             if done:
                 status = st
-        if (ready and not chunk) or overflow or (status is not None and not ready):
+        # Stop when the process exits even if something it forked still holds a pipe.
+        if status is not None and not ready:
             break
     if status is None:
         _, status = os.waitpid(pid, 0)
-    return bytes(got), overflow, os.waitstatus_to_exitcode(status)
+    return {fd: bytes(data) for fd, data in got.items()}, overflow, os.waitstatus_to_exitcode(status)
 
 
-def run_one(compiled, test, cap):
-    """In a test's child: run the solution once and say what it printed or returned."""
-    out = CappedWriter(cap)
-    sys.stdin, sys.stdout = io.StringIO(test.get("stdin", "")), out
+def _kill(pid, reaped):
+    """SIGKILL the test's process group; before the child made one, the child itself (never a
+    pid already reaped: it may be another process's now)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        if not reaped:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def input_fd(text):
+    """The test's input as a sealed in-memory file, for fd 0: a real stdin that fstat sizes
+    and os.read, open(0) and sys.stdin.buffer read, as on a judge, and that nobody can change."""
+    fd = os.memfd_create("stdin", os.MFD_ALLOW_SEALING)
+    view = memoryview(text.encode("utf-8", "surrogatepass"))
+    while view:
+        view = view[os.write(fd, view) :]
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def error_text(e):
+    """ "Kind: message", both cut: the solution chooses its exception's class name and text."""
+    try:
+        message = str(e)[:200]
+    except BaseException:  # noqa: BLE001  (a __str__ that raises)
+        message = "(unprintable)"
+    return f"{type(e).__name__[:100]}: {message}"
+
+
+def run_one(compiled, test):
+    """In a test's child: run the solution once as a program (its input on fd 0, its output on
+    fd 1, read by the worker) and say how it ended, or what its function returned."""
+    # Standard streams as the interpreter makes them for a UTF-8 locale: text over binary
+    # buffers over the descriptors (.buffer, .fileno() and .mode work as on a judge).
+    sys.stdin = sys.__stdin__ = open(0, encoding="utf-8", closefd=False)
+    out = sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", closefd=False)
     res = {}
     try:
         glb = {"__name__": "__main__", "__builtins__": __builtins__}
@@ -251,19 +277,31 @@ def run_one(compiled, test, cap):
                 raise NameError(f"the solution defines no function {test['call']!r}")
             res["ret"] = json.dumps(fn(*test.get("args", [])))
     except BaseException as e:  # noqa: BLE001  (report every failure as this test's result)
-        res["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-    res["stdout"] = out.getvalue()
+        res["error"] = error_text(e)
+    # What the interpreter does at exit: flush standard output, whatever the solution put
+    # there (a FastIO-style wrapper writes to fd 1 only when flushed).
+    for stream in (sys.stdout, out):
+        try:
+            stream.flush()
+        except BaseException as e:  # noqa: BLE001
+            res.setdefault("error", error_text(e))
     return res
 
 
-def _child(compiled, test, cap, report_fd, wr):
+def _child(compiled, test, fsize, report_fd, wr, out_wr):
     os.close(report_fd)
+    stdin = input_fd(test.get("stdin", ""))
+    # Order matters: a new descriptor may have taken number 3 until it is duplicated away.
+    os.dup2(stdin, 0)
+    os.dup2(out_wr, 1)  # fd 2 stays /dev/null
     if wr != RESULT_FD:
         os.dup2(wr, RESULT_FD)
     os.closerange(RESULT_FD + 1, 1 << 16)  # the report pipe and anything else: gone
+    # Only now: the input written above is not the solution's to count against it.
+    _set_limits({"fsize": fsize})
     os.setpgid(0, 0)  # one group per test: what it forks is killed with it
     me = os.getpid()
-    res = run_one(compiled, test, cap)
+    res = run_one(compiled, test)
     if os.getpid() == me:  # a process the solution forked returns here too: it says nothing
         data = (json.dumps(res) + "\n").encode()
         while data:
@@ -277,7 +315,7 @@ def _checked(raw, i, limit):
         got = loads_bounded(raw.decode(), limit, 1)
     except (ValueError, UnicodeDecodeError):
         got = None
-    fields = {"stdout", "ret", "error", "exit"}
+    fields = {"ret", "error", "exit"}
     if not isinstance(got, dict) or not set(got) <= fields or not all(isinstance(v, str) for v in got.values()):
         return {"i": i, "corrupted": True}
     return {"i": i, **got}
@@ -298,30 +336,35 @@ def run_tests(payload, report_fd):
     except (ValueError, MemoryError, RecursionError) as e:  # NUL bytes, absurd nesting
         emit({"fatal": f"{type(e).__name__}: {str(e)[:200]}"})
         return
-    limit = 6 * cap + 4096  # JSON-escaped output plus the other fields
+    limit = 6 * cap + 4096  # a JSON-escaped return value plus the other fields
+    fsize = payload["rlimits"]["fsize"]
     for i, test in enumerate(payload["tests"]):
         rd, wr = os.pipe()
+        out_rd, out_wr = os.pipe()
         pid = os.fork()
         if pid == 0:
             try:
                 os.close(rd)
-                _child(compiled, test, cap, report_fd, wr)
+                os.close(out_rd)
+                _child(compiled, test, fsize, report_fd, wr, out_wr)
             finally:
                 os._exit(70)
         os.close(wr)
-        raw, overflow, code = collect(rd, pid, limit)
+        os.close(out_wr)
+        got, overflow, code = collect(pid, {rd: limit, out_rd: 4 * cap})  # UTF-8: at most 4 bytes a character
         os.close(rd)
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except OSError:
-            pass
-        if overflow:
-            emit({"i": i, "error": "OverflowError: output limit exceeded", "stdout": ""})
-        elif code != 0 or not raw:  # a signal (CPU limit, ...), os._exit(): the run ends here
+        os.close(out_rd)
+        _kill(pid, reaped=True)
+        # Bytes that are not UTF-8 cross as lone surrogates; the parent shows them as U+FFFD.
+        stdout = got[out_rd].decode("utf-8", "surrogateescape")
+        if overflow or len(stdout) > cap:
+            emit({"i": i, "output_limit": True})
+        elif code != 0 or not got[rd]:  # a signal (CPU limit, ...), os._exit(): the run ends here
             emit({"i": i, "stop": code})
             return
         else:
-            emit(_checked(raw, i, limit))
+            rec = _checked(got[rd], i, limit)
+            emit(rec if rec.get("corrupted") else {**rec, "stdout": stdout})
     emit({"done": True})
 
 
@@ -343,8 +386,8 @@ def supervise(payload):
             code = 70
         os._exit(code)
     os.close(w)
-    got, overflow, code = collect(r, pid, int(payload["max_report"]))
-    return {"report": got.decode(errors="replace"), "overflow": overflow, "exit": code}
+    got, overflow, code = collect(pid, {r: int(payload["max_report"])})
+    return {"report": got[r].decode(errors="replace"), "overflow": overflow, "exit": code}
 
 
 def main():

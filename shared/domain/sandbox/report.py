@@ -14,6 +14,7 @@ from typing import Any
 
 from shared.domain.sandbox._harness import loads_bounded
 from shared.domain.sandbox.errors import SandboxUnavailable, explain
+from shared.text import valid_text
 
 SIGNAL_REASONS: dict[int, str] = {
     signal.SIGXCPU: "cpu_time_limit",
@@ -29,6 +30,7 @@ RECORD_FIELDS: dict[str, type] = {
     "error": str,
     "exit": str,
     "corrupted": bool,
+    "output_limit": bool,
     "stop": int,
     "fatal": str,
     "done": bool,
@@ -76,7 +78,9 @@ def read_report(out: bytes, err: bytes, rc: int | None, timed_out: bool, n_tests
     if "setup_error" in env:
         raise SandboxUnavailable(explain(f"sandbox setup failed inside the namespaces: {env['setup_error']}"))
     if "supervisor_error" in env or not isinstance(env.get("report"), str):
-        return Report(failure=("sandbox_error", str(env.get("supervisor_error", "malformed envelope"))[:300]))
+        return Report(
+            failure=("sandbox_error", valid_text(str(env.get("supervisor_error", "malformed envelope"))[:300])[0])
+        )
     exit_code = env.get("exit")
     rep = Report(overflow=env.get("overflow") is True, exit_code=exit_code if type(exit_code) is int else 0)
     lines = env["report"].split("\n")
@@ -87,6 +91,13 @@ def read_report(out: bytes, err: bytes, rc: int | None, timed_out: bool, n_tests
             return Report(failure=("report_corrupted", ""))
         if not _valid(rec, n_tests):
             return Report(failure=("report_corrupted", ""))
+        # Every text that leaves here encodes as UTF-8: an output byte that was not UTF-8, or a
+        # "\ud800" escape in an error's text, crossed as a lone surrogate.
+        for k, v in list(rec.items()):
+            if type(v) is str:
+                rec[k], replaced = valid_text(v)
+                if k == "stdout" and replaced:
+                    rec["replaced"] = replaced
         if "fatal" in rec:
             rep.fatal = rec["fatal"]
         elif rec.get("done") is True:

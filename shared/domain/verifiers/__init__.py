@@ -12,7 +12,7 @@ from shared.domain.verifiers import basic as _basic  # noqa: F401  (registers ex
 from shared.domain.verifiers import code as _code  # noqa: F401  (registers code)
 from shared.domain.verifiers import http as _http  # noqa: F401  (registers http, openai_judge)
 from shared.domain.verifiers import math_answer as _math  # noqa: F401  (registers math)
-from shared.domain.verifiers.combine import TAG_SEP, error_tag, score_components, split_parts
+from shared.domain.verifiers.combine import TAG_SEP, TagBudget, error_tag, score_components, split_parts
 from shared.domain.verifiers.registry import (
     Scored,
     VerifierError,
@@ -27,6 +27,7 @@ from shared.domain.verifiers.registry import (
 
 __all__ = [
     "TAG_SEP",
+    "TagBudget",
     "Scored",
     "VerifierError",
     "VerifierFn",

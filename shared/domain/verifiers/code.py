@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -10,6 +11,19 @@ from typing import Any
 
 from shared.domain.sandbox import Limits, SandboxUnavailable, check_isolation, run_code
 from shared.domain.verifiers.registry import Scored, VerifierError, register_arg_check, register_verifier
+
+log = logging.getLogger(__name__)
+
+# The most a job may ask of one reward box: CPU seconds, wall seconds and memory of one run,
+# and runs at once (each a process tree of up to Limits.nproc processes). The verifier caps
+# stored jobs to these; the api refuses a job asking for more.
+MAX_CPU_S, MAX_WALL_S, MAX_MEMORY_MB, MAX_PARALLEL = 10, 30.0, 1024, 16
+CAPS: dict[str, float] = {
+    "cpu_s": MAX_CPU_S,
+    "wall_s": MAX_WALL_S,
+    "memory_mb": MAX_MEMORY_MB,
+    "parallel": MAX_PARALLEL,
+}
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
@@ -57,24 +71,40 @@ def code_tests(
     if not ok:
         raise SandboxUnavailable(f"refusing to run code rewards without isolation: {why}")
     # Limits are capped so a job can loosen them only up to what a shared box tolerates.
-    lim = Limits(cpu_s=min(int(cpu_s), 10), wall_s=min(float(wall_s), 30.0), memory_mb=min(int(memory_mb), 1024))
+    lim = Limits(
+        cpu_s=min(int(cpu_s), MAX_CPU_S),
+        wall_s=min(float(wall_s), MAX_WALL_S),
+        memory_mb=min(int(memory_mb), MAX_MEMORY_MB),
+    )
 
     def one(text: str) -> float:
-        r = run_code(extract_code(text), cases, lim)
+        try:
+            r = run_code(extract_code(text), cases, lim)
+        except SandboxUnavailable:  # the host's fault, the same for every completion: the group's tag
+            raise
+        except Exception as e:  # noqa: BLE001  (one completion's failure never costs its siblings)
+            log.warning("judging a completion failed, scored 0 (judge_error): %s: %s", type(e).__name__, str(e)[:200])
+            return Scored(0.0, "judge_error")
         value = (1.0 if r.fraction == 1.0 else 0.0) if all_or_nothing else r.fraction
         return Scored(value, r.reason)
 
-    # Sandboxes are processes: threads only wait on them.
-    with ThreadPoolExecutor(max_workers=max(1, min(int(parallel), len(completions)))) as ex:
+    # Sandboxes are processes: threads only wait on them (each run may hold nproc processes).
+    with ThreadPoolExecutor(max_workers=max(1, min(int(parallel), MAX_PARALLEL, len(completions)))) as ex:
         return list(ex.map(one, completions))
 
 
 @register_arg_check("code")
 def _check_code_args(args: Mapping[str, Any]) -> None:
-    # The verifier caps these (cpu_s 10, wall_s 30, memory_mb 1024); at or below 0 nothing can run.
-    for key in ("cpu_s", "wall_s", "memory_mb", "parallel"):
+    # At or below 0 nothing can run; above its cap a value would be cut silently: say so instead.
+    for key, cap in CAPS.items():
         v = args.get(key)
-        if v is not None and not isinstance(v, bool) and isinstance(v, int | float) and v <= 0:
+        if v is None or isinstance(v, bool) or not isinstance(v, int | float):
+            continue
+        if v <= 0:
             raise VerifierError(f"code {key} must be above 0, got {v!r}", arg=key)
+        if v > cap:
+            raise VerifierError(
+                f"code {key} must be at most {cap} (what a shared reward box tolerates), got {v!r}", arg=key
+            )
     if "tests" in args:
         parse_tests(args["tests"])

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import math
+import re
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -73,6 +75,44 @@ def score_components(
             if reason not in QUIET_REASONS:
                 p[f"{part}{TAG_SEP}{reason}"] = 0.0
     return parts
+
+
+# Tags drawn from completions (a verifier's reason, an exception's kind) become Prometheus label
+# values, metric-point keys and tracker metric names, which last as long as the service or the
+# job: each is bounded in length and in how many distinct ones a job may show, and the rest
+# fold into "<part>!other" (issue 47: one completion's 100,000-character class name was a 100 kB
+# label series forever).
+TAG_REASON = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+TAGS_PER_JOB = 64
+OTHER = "other"
+
+
+class TagBudget:
+    """The distinct tags each job has shown, at most `per_job`; the jobs it remembers, at most
+    `max_jobs` (the least recently seen is forgotten). One per reward service process."""
+
+    def __init__(self, per_job: int = TAGS_PER_JOB, max_jobs: int = 10_000) -> None:
+        self.per_job = per_job
+        self.max_jobs = max_jobs
+        self._seen: OrderedDict[str, set[str]] = OrderedDict()
+
+    def bound(self, job_id: str, parts: Mapping[str, float]) -> dict[str, float]:
+        """`parts` with every tag within bounds: a tag whose reason is too long or holds other
+        characters than [A-Za-z0-9_.:-], or one past the job's budget, becomes "<part>!other"."""
+        seen = self._seen.pop(job_id, set())
+        self._seen[job_id] = seen  # most recently seen last
+        while len(self._seen) > self.max_jobs:
+            self._seen.popitem(last=False)
+        out: dict[str, float] = {}
+        for key, value in parts.items():
+            part, sep, reason = key.partition(TAG_SEP)
+            if sep:
+                if not TAG_REASON.fullmatch(reason) or (key not in seen and len(seen) >= self.per_job):
+                    key = f"{part}{TAG_SEP}{OTHER}"
+                else:
+                    seen.add(key)
+            out[key] = out.get(key, 0.0) + value
+        return out
 
 
 def split_parts(parts: Mapping[str, float]) -> tuple[dict[str, float], list[str]]:
