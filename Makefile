@@ -87,14 +87,15 @@ format: $(STAMP)
 	$(BIN)/ruff format shared services tests bench docs/gen_reference.py
 	$(BIN)/ruff check --fix shared services tests bench docs/gen_reference.py
 
-# Benchmarks side by side on this machine -> docs/bench.md (+ docs/bench/*.png); --full for longer runs.
+# Benchmarks side by side on this machine -> bench/results/ (each one's page, JSON, plot, log) and the
+# index of their headline figures, bench/results/index.md; `bench/run_all.py --full` for longer runs.
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py
 
 # A real job under fault injection (kill -9 of every service and Redis, store outage,
-# corrupt checkpoints and adapters, malformed messages) -> docs/chaos.md.
+# corrupt checkpoints and adapters, malformed messages) -> bench/results/chaos.md (+ .json).
 chaos: $(STAMP)
-	$(BIN)/python bench/chaos.py --out docs/chaos.md
+	$(BIN)/python bench/chaos.py --out bench/results/chaos.md
 
 plan: $(STAMP)
 	$(BIN)/burstrl plan --help

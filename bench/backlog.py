@@ -21,10 +21,7 @@ and how fast a returning trainer sees its first batch.
    stream (Redis), side by side.
 
     .venv/bin/python bench/backlog.py [--only idle,throughput,first] [--cycles 3] [--cycle-s 80]
-        [--rounds 3] [--out docs/bench/backlog.md]
-
-Over ~400 lines: the idle, spill/restore and first-batch measurements share one stack and one
-report.
+        [--rounds 3] [--out bench/results/backlog.md]
 """
 
 from __future__ import annotations
@@ -33,7 +30,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,8 +42,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.pipeline import MODEL, Stack, submit  # noqa: E402
-from services.cli.launch import free_port, port_open, terminate  # noqa: E402
+from bench.backlog_report import figures, report  # noqa: E402
+from services.cli.launch import free_port  # noqa: E402
 from services.rollout.spill import SPILL_WRITERS  # noqa: E402
 from services.trainer.sources import PREFETCH  # noqa: E402
 from shared import keys  # noqa: E402
@@ -60,6 +56,10 @@ from shared.schema import GroupMsg, encode  # noqa: E402
 from shared.segments import DATA, pack  # noqa: E402
 from shared.store import MANIFEST, ObjectStore, open_store  # noqa: E402
 from tests.support.backlog import Drain, group, new_job, push_ready, runtime, spec, spiller  # noqa: E402
+from tests.support.lab.jobs import BACKLOG  # noqa: E402
+from tests.support.lab.results import RESULTS, emit  # noqa: E402
+from tests.support.lab.s3 import moto_s3, s3_env  # noqa: E402
+from tests.support.lab.stack import MODEL, Stack, submit  # noqa: E402
 
 # The job of the idle runs: the demo's task on the tiny model, no ref stage, no evaluation.
 IDLE_JOB: dict[str, Any] = {
@@ -74,7 +74,6 @@ IDLE_JOB: dict[str, Any] = {
     "eval_size": 0,
     "sampling": {"temperature": 1.0, "max_tokens": 6},
 }
-BACKLOG = {"max_groups": 100_000, "segment_groups": 32, "max_age_versions": 1000, "order": "oldest"}
 
 
 # -- 1. idle fraction ------------------------------------------------------------------------
@@ -134,40 +133,6 @@ def bench_idle(a: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 # -- 2. throughput ----------------------------------------------------------------------------
-class Moto:
-    """moto's S3 server on loopback (a real HTTP S3 peer), as the tests' fixture runs it."""
-
-    def __enter__(self) -> str:
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        deadline = time.time() + 30
-        while not port_open(self.port):
-            if time.time() > deadline:
-                raise RuntimeError("moto did not start")
-            time.sleep(0.1)
-        url = f"http://127.0.0.1:{self.port}"
-        os.environ.update(
-            {
-                "AWS_ACCESS_KEY_ID": "x",
-                "AWS_SECRET_ACCESS_KEY": "x",
-                "AWS_REGION": "us-east-1",
-                "STORE_ENDPOINT_URL": url,
-            }
-        )
-        import boto3
-
-        boto3.client("s3", endpoint_url=url, region_name="us-east-1").create_bucket(Bucket="bench")
-        return url
-
-    def __exit__(self, *exc: object) -> None:
-        terminate(self.proc.pid, 5)
-
-
 def _payloads(job_id: str, n: int, tokens: int, g: int) -> list[Any]:
     return [group(job_id, i, g=g, tokens=tokens) for i in range(n)]
 
@@ -239,7 +204,7 @@ def raw_get_once(store: ObjectStore, keys_: list[str]) -> dict[str, float]:
 def bench_throughput(a: argparse.Namespace, redis_url: str) -> dict[str, Any]:
     r = connect(redis_url)
     res: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="bench-store-") as tmp, Moto():
+    with tempfile.TemporaryDirectory(prefix="bench-store-") as tmp, moto_s3("bench") as s3, s3_env(s3):
         stores = {"file://": open_store(f"file://{tmp}/store"), "s3:// (moto)": open_store("s3://bench/backlog")}
         for name, store in stores.items():
             rows: dict[str, list[float]] = {"spill": [], "raw_put": [], "raw_put2": [], "restore": [], "raw_get": []}
@@ -280,7 +245,7 @@ def bench_throughput(a: argparse.Namespace, redis_url: str) -> dict[str, Any]:
 def bench_first(a: argparse.Namespace, redis_url: str) -> dict[str, Any]:
     r = connect(redis_url)
     out: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="bench-first-") as tmp, Moto():
+    with tempfile.TemporaryDirectory(prefix="bench-first-") as tmp, moto_s3("bench") as s3, s3_env(s3):
         for name, store in {
             "file://": open_store(f"file://{tmp}/s"),
             "s3:// (moto)": open_store("s3://bench/first"),
@@ -322,65 +287,6 @@ def bench_first(a: argparse.Namespace, redis_url: str) -> dict[str, Any]:
     return out
 
 
-# -- report ----------------------------------------------------------------------------------------
-def report(cmd: str, a: argparse.Namespace, res: dict[str, Any]) -> str:
-    lines = ["## Backlog: never idle, the disk tier, a returning trainer (issue 19)", "", f"`{cmd}`", ""]
-    if "idle" in res:
-        lines += [
-            f"Rollout's idle fraction, the trainer alive {a.duty:.0%} of each {a.cycle_s:.0f} s cycle "
-            f"({a.cycles} cycles per run; tiny model on vLLM-cpu, G {IDLE_JOB['group_size']}, batch "
-            f"{IDLE_JOB['batch_size']}, max_staleness {IDLE_JOB['max_staleness']}; evaluation off). Idle = 1 - "
-            "seconds generating / wall seconds. Target with a backlog: <= 5%.",
-            "",
-            "| round | mode | wall s | trainer alive | generating s | **idle** | groups made | steps | trained | spilled |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for x in res["idle"]:
-            lines.append(
-                f"| {x['round']} | {x['mode']} | {x['wall_s']} | {x['trainer_alive_frac']:.0%} | {x['generating_s']} | "
-                f"**{x['idle_frac']:.1%}** | {x['groups_made']} | {x['steps']} | {x['trained']} | {x['spilled']} |"
-            )
-        lines.append("")
-    if "throughput" in res:
-        lines += [
-            f"Spill and restore, {a.groups} groups of G {a.g} x {a.tokens} tokens in segments of {a.segment}, "
-            f"median of {a.rounds} rounds alternating with the raw store on the same bytes "
-            f"(spill and raw put {SPILL_WRITERS} segments at once, restore and raw get with {PREFETCH} threads). "
-            "Target: >= 0.8 of raw.",
-            "",
-            "`raw put` writes each segment's data as one object; `raw put, 2 objects` writes it and then a "
-            "manifest-sized object beside it, in a folder of its own, as a segment is laid out: the gap between "
-            "the two is what the layout itself costs, the gap to the spill what the spiller adds (reading the "
-            "groups out of Redis, sha256, the indexing script).",
-            "",
-            "| store | spill MB/s | raw put MB/s | **spill / raw put** | raw put, 2 objects MB/s | spill / that "
-            "| spill groups/s | restore MB/s | raw get MB/s | **restore / raw get** | restore groups/s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for name, x in res["throughput"].items():
-            lines.append(
-                f"| {name} | {x['spill_MBps']} | {x['raw_put_MBps']} | **{x['spill_ratio']:.2f}** | "
-                f"{x['raw_put2_MBps']} | {x['spill_ratio_2_objects']:.2f} | {x['spill_groups_per_s']} | "
-                f"{x['restore_MBps']} | {x['raw_get_MBps']} | **{x['restore_ratio']:.2f}** | {x['restore_groups_per_s']} |"
-            )
-        lines.append("")
-    if "first" in res:
-        lines += [
-            "A returning trainer's first batch from the backlog: its group sources built, one batch fetched, "
-            "verified and decoded (median of rounds), against one batch read from the hot stream.",
-            "",
-            "| store | backlog groups | segments | batch | **first batch s** | worst s | hot stream s |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for name, x in res["first"].items():
-            lines.append(
-                f"| {name} | {x['backlog_groups']} | {x['segments']} | {x['batch']} | **{x['first_batch_s']}** | "
-                f"{x['first_batch_max_s']} | {x['hot_stream_s']} |"
-            )
-        lines.append("")
-    return "\n".join(lines) + "\n"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="idle,throughput,first")
@@ -395,10 +301,10 @@ def main() -> None:
     ap.add_argument("--g", type=int, default=8, help="Completions per group in the throughput groups.")
     ap.add_argument("--backlog-groups", type=int, default=10_000)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "backlog.md")
+    ap.add_argument("--out", type=Path, default=RESULTS / "backlog.md", help="The page (and its .json beside it).")
     a = ap.parse_args()
     only = set(a.only.split(","))
-    cmd = "python bench/backlog.py " + " ".join(sys.argv[1:])
+    cmd = " ".join([".venv/bin/python bench/backlog.py", *sys.argv[1:]])
     res: dict[str, Any] = {}
     if "idle" in only:
         res["idle"] = bench_idle(a)
@@ -415,10 +321,7 @@ def main() -> None:
                     res["first"] = bench_first(a, url)
             finally:
                 launcher.stop_all()
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    a.out.write_text(report(cmd.replace("python", ".venv/bin/python", 1), a, res))
-    print(f"wrote {a.out}")
+    emit(report(cmd, a, res, IDLE_JOB), a.out, res, figures=figures(res), command=cmd)
 
 
 if __name__ == "__main__":

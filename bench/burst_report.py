@@ -1,10 +1,7 @@
 """bench/burst.py's page from its measured runs: rates, per-round ratios, the targets, the planner's
-check, how to read it, and the plot. Pure functions of the results JSON, so `--report-only`
-rebuilds a page from a saved run without the stack.
-
-About 430 lines in one file on purpose: every section reads the same results dict through the
-same few helpers (rounds_of, round_ratios, ratios_text), and most of the length is the page's own
-prose in setups_section and reading; split, each part would import the rest back."""
+check, how to read it, the plot, and the headline figures. Pure functions of the results JSON
+(through the readings in bench/burst_stats.py), so `--report-only` rebuilds a page from a saved
+run without the stack."""
 
 from __future__ import annotations
 
@@ -27,98 +24,10 @@ from bench.burst_setups import (
     STALENESS_LIMIT,
     TASK,
 )
-from bench.output import repo_path
-from bench.trl_compare import BATCH, G
+from bench.burst_stats import fmt, onpolicy_diffs, peak, rates, ratios_summary, round_ratios, rounds_of
 from services.plan.billable import accuracy_at
-
-
-def _sessions(x: dict[str, Any]) -> list[tuple[float, float, list[dict[str, Any]]]]:
-    """A run's trainer sessions: (spawned, reaped, the steps it made in between)."""
-    return [(a, b, [p for p in x["points"] if a <= p["at"] <= b]) for a, b in x["trainer_intervals"]]
-
-
-def _busy_s(p: dict[str, Any]) -> float:
-    return p["train_s"] + p["publish_s"] + p["checkpoint_s"]
-
-
-def trainer_gps(steps: list[dict[str, Any]]) -> float:
-    """Groups the trainer trained per second of its steps' busy time (train, publish, checkpoint)."""
-    busy = sum(_busy_s(p) for p in steps)
-    return sum(p["groups"] for p in steps) / busy if busy else float("nan")
-
-
-def rates(runs: list[dict[str, Any]]) -> dict[str, float]:
-    """Trainer and rollout groups/s measured in the backlog runs (no replica), start-up seconds,
-    and teardown seconds (the drained sessions': the last step's end to the process gone)."""
-    bl = [x for x in runs if x["setup"] in RATE_SETUPS]
-    steps, starts, teardowns = [], [], []
-    for x in runs:
-        if x["setup"] == "trl":
-            continue
-        for a, b, pts in _sessions(x):
-            if not pts:
-                continue
-            starts.append(pts[0]["at"] - _busy_s(pts[0]) - a)
-            if x in bl:
-                steps += pts[1:]  # the session's first step waits on the fetch
-                if b - a < x.get("window_s", math.inf) - 1:  # it left before the window closed
-                    teardowns.append(b - pts[-1]["at"])
-    trainer = trainer_gps(steps)
-    rollout = sum(x["groups_made"] for x in bl) / sum(x["wall_s"] for x in bl) if bl else float("nan")
-    return {
-        "trainer_gps": round(trainer, 2),
-        "rollout_gps": round(rollout, 2),
-        "k": round(trainer / rollout, 2) if rollout else float("nan"),
-        "startup_s": round(statistics.median(starts), 1) if starts else float("nan"),
-        "startup_range_s": [round(min(starts), 1), round(max(starts), 1)] if starts else [],
-        "teardown_s": round(statistics.median(teardowns), 1) if teardowns else 0.0,
-        "teardown_range_s": [round(min(teardowns), 1), round(max(teardowns), 1)] if teardowns else [],
-    }
-
-
-def near(evals: list[dict[str, Any]], version: int, width: int = 2) -> float | None:
-    """Mean held-out accuracy of versions version-width .. version (less noise than one)."""
-    xs = [e["accuracy"] for e in evals if version - width <= e["version"] <= version]
-    return round(statistics.fmean(xs), 4) if xs else None
-
-
-def rounds_of(runs: list[dict[str, Any]]) -> dict[int, dict[str, dict[str, Any]]]:
-    """The runs by round, then by setup: a round runs each setup once, side by side."""
-    out: dict[int, dict[str, dict[str, Any]]] = {}
-    for x in runs:
-        out.setdefault(x.get("round", 0), {})[x["setup"]] = x
-    return dict(sorted(out.items()))
-
-
-def round_ratios(runs: list[dict[str, Any]], key: str, other: str) -> list[tuple[float, bool]]:
-    """Per round that ran both: key's billable seconds to the threshold over other's, and whether
-    that is exact. inf where key never reached it; where only other never did, key's seconds over
-    other's whole billable seconds, an upper bound (False). Ratios pair runs of one round only, so
-    each compares setups measured side by side."""
-    out = []
-    for by in rounds_of(runs).values():
-        m, o = by.get(key), by.get(other)
-        if not (m and o):
-            continue
-        mt, ot = m["to_threshold"], o["to_threshold"]
-        if mt is None:
-            out.append((math.inf, True))
-        elif ot is None:
-            out.append((mt / o["billable_s"], False))
-        else:
-            out.append((mt / ot, True))
-    return out
-
-
-def ratios_text(rs: list[tuple[float, bool]]) -> str:
-    """round_ratios as the page shows them: "never" where key never reached the threshold, "< " before
-    an upper bound."""
-    return ", ".join("never" if math.isinf(v) else f"{'' if exact else '< '}{v:.2f}x" for v, exact in rs)
-
-
-def ratios_summary(rs: list[tuple[float, bool]]) -> tuple[str, float]:
-    """round_ratios as shown (ratios_text) and their median, the number a target is judged on."""
-    return ratios_text(rs), statistics.median(v for v, _ in rs)
+from tests.support.lab.jobs import BATCH, G
+from tests.support.lab.results import Figure, figure, repo_path
 
 
 def pair_lines(runs: list[dict[str, Any]], setups: set[str], thr: float, many: bool) -> list[str]:
@@ -146,15 +55,6 @@ def pair_lines(runs: list[dict[str, Any]], setups: set[str], thr: float, many: b
             f"accuracy at {whose} billable s: " + "; ".join(accs)
         )
     return out
-
-
-def peak(evals: list[dict[str, Any]]) -> str:
-    e = max(evals, key=lambda e: (e["accuracy"], -e["version"]))
-    return f"{e['accuracy']:.3f} (v{e['version']}, {e['t']:.1f} s)"
-
-
-def fmt(x: float | None, unit: str = "", nd: int = 1) -> str:
-    return "never" if x is None else ("inf" if math.isinf(x) else f"{x:.{nd}f}{unit}")
 
 
 def report(cmd: str, a: argparse.Namespace, res: dict[str, Any]) -> str:
@@ -264,15 +164,7 @@ def setups_section(a: argparse.Namespace, res: dict[str, Any]) -> list[str]:
             tg.append(
                 f"- {LABEL[key]} / {LABEL[other]}, billable s to acc {thr}: {lead}{bound_note} (target <= 0.5x: {verdict})"
             )
-        diffs = []
-        for by in rounds.values():
-            m, w = by.get(key), by.get("windowed")
-            if not (m and w and w["points"]):
-                continue
-            n = max(p["step"] for p in w["points"])
-            am, aw = near(m["evals"], n), near(w["evals"], n)
-            if am is not None and aw is not None:
-                diffs.append((n, am, aw, am - aw))
+        diffs = onpolicy_diffs(runs, key)
         if diffs:
             d = statistics.median(x[3] for x in diffs)
             detail = "; ".join(f"{am:.3f} vs {aw:.3f} at {n * BATCH} groups" for n, am, aw, _ in diffs)
@@ -422,9 +314,61 @@ def reading(res: dict[str, Any]) -> list[str]:
     return out
 
 
+def figures(res: dict[str, Any], thr: float) -> list[Figure]:
+    """The headline figures of a results JSON: the measured k, the issue's targets (each M2PO setup's
+    billable seconds to the threshold against windowed and TRL, its accuracy against on-policy), and
+    what each paired change bought; medians over rounds where the run had several."""
+    runs, rt = res["runs"], res["rates"]
+    if not runs:
+        return []
+    rounds = rounds_of(runs)
+    setups = {s for by in rounds.values() for s in by}
+    many = " (median of rounds)" if len(rounds) > 1 else ""
+
+    def seconds(setup: str) -> str:
+        """The setup's billable seconds to the threshold, round by round."""
+        ts = [by[setup]["to_threshold"] for by in rounds.values() if setup in by]
+        return " / ".join("never" if t is None else f"{t:.1f} s" for t in ts)
+
+    out = [
+        figure(
+            "burst: measured k (trainer / inference groups/s)",
+            f"trainer {rt['trainer_gps']} groups/s",
+            baseline=f"rollout {rt['rollout_gps']} groups/s",
+            ratio=rt["k"],
+            target="~4",
+        )
+    ]
+    pairs = [(k, o, "", "<= 0.5x") for k in M2PO_SETUPS for o in ("windowed", "trl")]
+    pairs += [(var, base, f" (below 1x {pays})", None) for var, (base, pays) in PAIRED.items()]
+    for key, other, note, target in pairs:
+        rs = round_ratios(runs, key, other) if {key, other} <= setups else []
+        if rs:
+            out.append(
+                figure(
+                    f"burst: billable s to acc {thr}, {LABEL[key]} / {LABEL[other]}{many}{note}",
+                    seconds(key),
+                    baseline=seconds(other),
+                    ratio=ratios_summary(rs)[1],
+                    target=target,
+                )
+            )
+    for key in (k for k in M2PO_SETUPS if k in setups):
+        if diffs := onpolicy_diffs(runs, key):
+            d = statistics.median(x[3] for x in diffs)
+            out.append(
+                figure(
+                    f"burst: acc at the same trained groups, {LABEL[key]} - on-policy (windowed){many}",
+                    f"{d:+.3f}",
+                    target="within 0.02",
+                )
+            )
+    return out
+
+
 def plot(res: dict[str, Any], png: Path, threshold: float) -> None:
     """Held-out accuracy against billable seconds: one panel per round, a setup one colour in each."""
-    from bench.plots import accuracy_panels
+    from tests.support.lab.plots import accuracy_panels
 
     rounds = rounds_of(res["runs"])
     panels = [

@@ -6,24 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.backlog import BACKLOG
-from bench.trl_compare import BATCH, G
+from tests.support.lab.jobs import BACKLOG, BURST_JOB
 
-TASK, LR, SEED = "arith", 1e-3, 0
-JOB: dict[str, Any] = {
-    "task": TASK,
-    "group_size": G,
-    "batch_size": BATCH,
-    "steps": 100_000,  # never completes within the run
-    "learning_rate": LR,
-    "lora_rank": 16,
-    "lora_alpha": 32,
-    "kl_coef": 0.0,  # no ref service: the inference side is rollout and reward
-    "max_staleness": 1,
-    "eval_size": 0,  # evaluated afterwards, off every clock
-    "seed": SEED,
-    "sampling": {"temperature": 1.0, "max_tokens": 6},
-}
+# The job every setup starts from: the demo's shape without KL, never completing within a run,
+# evaluated afterwards off every clock (tests/support/lab/jobs.py).
+JOB: dict[str, Any] = BURST_JOB
+TASK, LR, SEED = JOB["task"], JOB["learning_rate"], JOB["seed"]
 STALENESS_LIMIT = 16
 SETUPS: dict[str, dict[str, Any]] = {
     "windowed": {},
@@ -42,7 +30,7 @@ SETUPS: dict[str, dict[str, Any]] = {
         "algorithm": {"mismatch": "m2po"},
     },
     # DAPO dynamic sampling on the backlog: with the limit, most of what the home cards make between
-    # bursts is dropped unread (dropped_age: 2560-2952 of 3416-3944 groups in docs/bench/burst_rounds.md),
+    # bursts is dropped unread (dropped_age: 2560-2952 of 3416-3944 groups in bench/burst.py's 3-round run of 2026-12-04),
     # so skipping a group whose rewards are all equal (no advantage, no gradient) costs the burst nothing
     # but a decode, and every step trains on groups that carry a signal. Chosen for that reason before
     # the run that measured it; the same job with dynamic_sampling off is m2po_limit.

@@ -22,16 +22,17 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.output import emit  # noqa: E402
-from services.cli.launch import free_port, port_open  # noqa: E402
 from shared import keys  # noqa: E402
 from shared.bus import FIELD, Bus  # noqa: E402
 from shared.redis_conn import connect  # noqa: E402
 from shared.schema import Completion, GroupMsg, decode, encode, pack_f32, pack_i32, pack_u8  # noqa: E402
+from tests.support.lab.results import Figure, emit, figure  # noqa: E402
+from tests.support.servers import RedisServer  # noqa: E402
 
 G, T, BATCH = 8, 512, 8
 
@@ -98,79 +99,98 @@ def run_bus(r, groups: list[GroupMsg], payloads: list[bytes], job: str, *, codec
     return time.perf_counter() - t0
 
 
+def summarize(groups: int, times: dict[str, list[float]]) -> dict[str, Any]:
+    """Per path: groups/s (median of rounds) and, against raw, the ratio of best rounds (the least
+    disturbed run of each path, the usual estimate of a path's own cost on a shared machine) with
+    the per-round pairs' median and spread."""
+    out: dict[str, Any] = {}
+    for name, ts in times.items():
+        pairs = [raw / x for raw, x in zip(times["raw"], ts, strict=True)]
+        out[name] = {
+            "groups_per_s": groups / statistics.median(ts),
+            "vs_raw": min(times["raw"]) / min(ts),
+            "pairs_median": statistics.median(pairs),
+            "pairs_min": min(pairs),
+            "pairs_max": max(pairs),
+        }
+    return out
+
+
+def figures(res: dict[str, Any]) -> list[Figure]:
+    """The headline figures of a results JSON: the bus and the bus with the schema against raw redis-py."""
+    s, raw = res["summary"], res["summary"]["raw"]["groups_per_s"]
+    return [
+        figure(
+            f"{what} / raw redis-py throughput, best rounds",
+            f"{s[path]['groups_per_s']:.0f} groups/s (median)",
+            baseline=f"raw {raw:.0f} groups/s (median)",
+            ratio=s[path]["vs_raw"],
+            target=target,
+        )
+        for path, what, target in (("bus", "bus", ">= 0.8"), ("bus+codec", "bus + msgpack schema", None))
+    ]
+
+
+def report(a: argparse.Namespace, cmd: str, per_mb: float, s: dict[str, Any]) -> str:
+    def row(label: str, path: str) -> str:
+        x = s[path]
+        return (
+            f"| {label} | {x['groups_per_s']:.0f} | {x['groups_per_s'] * per_mb:.0f} | **{x['vs_raw']:.2f}** | "
+            f"{x['pairs_median']:.2f} [{x['pairs_min']:.2f}, {x['pairs_max']:.2f}] |"
+        )
+
+    raw = s["raw"]["groups_per_s"]
+    lines = [
+        "## Bus overhead (issue 3)",
+        "",
+        f"`{cmd}` — {a.groups} groups of {G} x {T} tokens ({per_mb * 1000:.0f} kB each), {a.rounds} rounds "
+        "alternating the three paths, redis-server with AOF everysec on loopback, consumer batches of 8.",
+        "",
+        "| path | groups/s (median) | MB/s | vs raw (best rounds) | per-round pairs: median [min, max] |",
+        "|---|---|---|---|---|",
+        f"| raw redis-py: XADD, XREADGROUP, XACK | {raw:.0f} | {raw * per_mb:.0f} | 1.00 | |",
+        row("bus: XADD, `Bus.read`, `Bus.ack` (at-most-once script + ledger)", "bus"),
+        row("bus + schema: encode, read, decode + validate, ack", "bus+codec"),
+        "",
+        "Target: bus >= 0.8 of raw. The schema row adds msgpack encode + typed decode of every group, "
+        "which raw bytes skip but any real producer and consumer pay. The machine is shared: the "
+        "per-round spread is other load.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--groups", type=int, default=400)
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None, help="The page (and its .json beside it); default: stdout only.")
     a = ap.parse_args()
-    import shutil
-    import subprocess
-
-    port = free_port()
-    tmp = tempfile.mkdtemp(prefix="bench-bus-")
-    srv = subprocess.Popen(
-        [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1"]
-        + ["--dir", tmp, "--appendonly", "yes", "--appendfsync", "everysec", "--save", ""],
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        while not port_open(port):
-            time.sleep(0.05)
-        r = connect(f"redis://127.0.0.1:{port}/0")
-        rng = np.random.default_rng(0)
-        groups = [make_group(i, rng) for i in range(a.groups)]
-        payloads = [encode(g) for g in groups]
-        mb = sum(map(len, payloads)) / 1e6
-        times: dict[str, list[float]] = {"raw": [], "bus": [], "bus+codec": []}
-        for k in range(a.rounds + 1):  # round 0 warms every path up and is not counted
-            t = {
-                "raw": run_raw(r, payloads, "bench:raw"),
-                "bus": run_bus(r, groups, payloads, "bench", codec=False),
-                "bus+codec": run_bus(r, groups, payloads, "bench", codec=True),
-            }
-            if k:
-                for name, v in t.items():
-                    times[name].append(v)
-
-        def gps(name: str) -> float:
-            return a.groups / statistics.median(times[name])
-
-        def ratio(name: str) -> tuple[float, list[float]]:
-            # Best-of-rounds: the least disturbed run of each path, the usual estimate of a
-            # path's own cost on a shared machine; the per-round pairs show the spread.
-            pairs = [raw / x for raw, x in zip(times["raw"], times[name], strict=True)]
-            return min(times["raw"]) / min(times[name]), pairs
-
-        (bus_r, bus_pairs), (codec_r, codec_pairs) = ratio("bus"), ratio("bus+codec")
-        per_mb = mb / a.groups
-        lines = [
-            "## Bus overhead (issue 3)",
-            "",
-            f"`.venv/bin/python bench/bus.py --groups {a.groups} --rounds {a.rounds}` — {a.groups} groups of "
-            f"{G} x {T} tokens ({per_mb * 1000:.0f} kB each), {a.rounds} rounds alternating the three paths, "
-            "redis-server with AOF everysec on loopback, consumer batches of 8.",
-            "",
-            "| path | groups/s (median) | MB/s | vs raw (best rounds) | per-round pairs: median [min, max] |",
-            "|---|---|---|---|---|",
-            f"| raw redis-py: XADD, XREADGROUP, XACK | {gps('raw'):.0f} | {gps('raw') * per_mb:.0f} | 1.00 | |",
-            f"| bus: XADD, `Bus.read`, `Bus.ack` (at-most-once script + ledger) | {gps('bus'):.0f} | "
-            f"{gps('bus') * per_mb:.0f} | **{bus_r:.2f}** | {statistics.median(bus_pairs):.2f} "
-            f"[{min(bus_pairs):.2f}, {max(bus_pairs):.2f}] |",
-            f"| bus + schema: encode, read, decode + validate, ack | {gps('bus+codec'):.0f} | "
-            f"{gps('bus+codec') * per_mb:.0f} | **{codec_r:.2f}** | {statistics.median(codec_pairs):.2f} "
-            f"[{min(codec_pairs):.2f}, {max(codec_pairs):.2f}] |",
-            "",
-            "Target: bus >= 0.8 of raw. The schema row adds msgpack encode + typed decode of every group, "
-            "which raw bytes skip but any real producer and consumer pay. The machine is shared: the "
-            "per-round spread is other load.",
-            "",
-        ]
-        emit("\n".join(lines), a.out)
-    finally:
-        srv.kill()
-        srv.wait()
-        shutil.rmtree(tmp, ignore_errors=True)
+    cmd = " ".join([".venv/bin/python bench/bus.py", *sys.argv[1:]])
+    with tempfile.TemporaryDirectory(prefix="bench-bus-") as tmp:
+        srv = RedisServer(Path(tmp))  # AOF everysec, as in production
+        srv.start()
+        try:
+            r = connect(srv.url)
+            rng = np.random.default_rng(0)
+            groups = [make_group(i, rng) for i in range(a.groups)]
+            payloads = [encode(g) for g in groups]
+            times: dict[str, list[float]] = {"raw": [], "bus": [], "bus+codec": []}
+            for k in range(a.rounds + 1):  # round 0 warms every path up and is not counted
+                t = {
+                    "raw": run_raw(r, payloads, "bench:raw"),
+                    "bus": run_bus(r, groups, payloads, "bench", codec=False),
+                    "bus+codec": run_bus(r, groups, payloads, "bench", codec=True),
+                }
+                if k:
+                    for name, v in t.items():
+                        times[name].append(v)
+        finally:
+            srv.kill()
+    per_mb = sum(map(len, payloads)) / 1e6 / a.groups
+    summary = summarize(a.groups, times)
+    data = {"groups": a.groups, "rounds": a.rounds, "mb_per_group": per_mb, "times": times, "summary": summary}
+    emit(report(a, cmd, per_mb, summary), a.out, data, figures=figures(data), command=cmd)
 
 
 if __name__ == "__main__":

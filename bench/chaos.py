@@ -24,11 +24,12 @@ once and exactly `steps x batch` of them, matching the ledger's `trained`; no co
 checkpoint was loaded (trainer logs) nor corrupt version adopted (rollout's version
 events); every service ready at the end with no restart beyond the injected ones.
 
-    .venv/bin/python bench/chaos.py [--steps 30] [--kills 2] [--out docs/chaos.md]   # make chaos
+    .venv/bin/python bench/chaos.py [--steps 30] [--kills 2] [--out bench/results/chaos.md]   # make chaos
     .venv/bin/python bench/chaos.py --steps 12 --kills 1 --no-baseline                 # the test's size
 
-Over ~400 lines: every fault and every check is listed here, side by side, so the report's
-claims can be read against the code that makes them.
+Every fault and every check is listed here, side by side, so the page's claims can be read against
+the code that makes them; the page and the headline figures, from the results alone, are
+bench/chaos_report.py.
 """
 
 from __future__ import annotations
@@ -49,22 +50,22 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.output import emit  # noqa: E402
-from bench.pipeline import DEMO_SHAPE, MODEL, Stack, run_job, submit  # noqa: E402
-from services.cli.launch import terminate  # noqa: E402
+from bench.chaos_report import figures, report  # noqa: E402
 from shared import keys  # noqa: E402
 from shared.ledger import audit  # noqa: E402
 from shared.metrics import read_ledger, read_points  # noqa: E402
 from shared.policy import read_pointer  # noqa: E402
 from shared.redis_conn import connect  # noqa: E402
+from tests.support.lab.jobs import DEMO_SHAPE  # noqa: E402
+from tests.support.lab.results import emit  # noqa: E402
+from tests.support.lab.s3 import moto_s3, s3_env  # noqa: E402
+from tests.support.lab.stack import MODEL, Stack, run_job, submit  # noqa: E402
 from tests.support.proxy import TcpProxy  # noqa: E402
-from tests.support.servers import start_s3  # noqa: E402
 
 SERVICES = ["api", "rollout", "reward", "ref", "trainer"]
 STAGE_STREAMS = {"prompts": keys.prompts, "rollouts": keys.rollouts, "scored": keys.scored, "ready": keys.ready}
 
 
-# -- the store, and a switch in front of it --------------------------------------------------
 # -- the run ------------------------------------------------------------------------------
 class Chaos:
     def __init__(self, stack: Stack, proxy: TcpProxy, store: Any, job_id: str, steps: int, rng: random.Random) -> None:
@@ -303,25 +304,6 @@ def run_chaos(
     steps: int, kills: int, outage_s: float, seed: int, baseline: bool, model: str = str(MODEL)
 ) -> dict[str, Any]:
     rng = random.Random(seed)
-    moto, endpoint = start_s3()
-    moto_port = int(endpoint.rsplit(":", 1)[1])
-    proxy = TcpProxy(moto_port)
-    proxy.up()
-    aws = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_REGION": "us-east-1",
-        "STORE_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}",
-    }
-    saved = {k: os.environ.get(k) for k in aws}  # restored at the end: pytest's other S3 tests share os.environ
-    os.environ.update(aws)
-    import boto3
-
-    boto3.client("s3", endpoint_url=f"http://127.0.0.1:{moto_port}", region_name="us-east-1").create_bucket(
-        Bucket="chaos"
-    )
-    from shared.store import open_store
-
     env = {
         # Keep every checkpoint: together their trained_groups are the trainer's full record.
         "BURSTRL_TRAINER_KEEP_CHECKPOINTS": "100000",
@@ -332,9 +314,18 @@ def run_chaos(
     # ahead of the faults still to come while one fault is handled (a restart, a check).
     spec = {**DEMO_SHAPE, "name": "chaos", "steps": steps, "batch_size": 32, "eval_size": 32}
     out: dict[str, Any] = {"steps": steps, "kills_per_service": kills, "outage_s": outage_s, "seed": seed}
-    try:
-        with tempfile.TemporaryDirectory(prefix="burstrl-chaos-") as tmp:
-            with Stack(Path(tmp), model, env=env, store_url="s3://chaos/run") as stack:
+    with moto_s3("chaos") as endpoint:
+        # The services reach the store through a proxy this script can cut (the store's outage).
+        proxy = TcpProxy(int(endpoint.rsplit(":", 1)[1]))
+        proxy.up()
+        try:
+            with (
+                s3_env(f"http://127.0.0.1:{proxy.port}"),
+                tempfile.TemporaryDirectory(prefix="burstrl-chaos-") as tmp,
+                Stack(Path(tmp), model, env=env, store_url="s3://chaos/run") as stack,
+            ):
+                from shared.store import open_store
+
                 out["startup_s"] = round(stack.startup_s, 1)
                 store = open_store("s3://chaos/run")
                 if baseline:
@@ -350,58 +341,9 @@ def run_chaos(
                 out["job_id"] = job_id
                 out["faults"] = chaos.faults
                 out.update(check(stack, chaos, store, job_id, spec))
-    finally:
-        proxy.down()
-        terminate(moto.pid, 5)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        finally:
+            proxy.down()
     return out
-
-
-def report(res: dict[str, Any], cmd: str) -> str:
-    faults = [f for f in res["faults"] if not f.get("skipped")]
-    lines = [
-        "# Chaos",
-        "",
-        f"`{cmd}`",
-        "",
-        f"A {res['steps']}-step GRPO-LoRA job on the tiny model (G 16, batch 32, max_staleness 1) through the five "
-        "real services, S3 store (moto) behind a switchable proxy, redis-server with AOF everysec.",
-        "",
-        f"**Faults injected: {len(faults)}; survived: {sum(f['survived'] for f in faults)}. "
-        f"All checks passed: {res['ok']}.**",
-        "",
-        "| # | fault | at version | all services ready after s | next policy version after s |",
-        "|---|---|---|---|---|",
-    ]
-    for i, f in enumerate(res["faults"], 1):
-        if f.get("skipped"):
-            lines.append(f"| {i} | {f['fault']} | skipped: {f['skipped']} | | |")
-            continue
-        lines.append(
-            f"| {i} | {f['fault']} | v{f['at_version']} | {f['all_ready_after_s']} | {f['next_version_after_s']} |"
-        )
-    lines += ["", "| check | result |", "|---|---|"]
-    lines += [f"| {k} | {'pass' if v else '**FAIL**'} |" for k, v in res["checks"].items()]
-    lines += [
-        "",
-        f"- job wall time under chaos: {res['chaos_wall_s']} s"
-        + (f"; the same job without faults, same stack: {res['clean_wall_s']} s" if "clean_wall_s" in res else ""),
-        f"- ledger: {res['ledger']}",
-        f"- trainer's record (all checkpoints' trained groups): {res['trained_record']}",
-        f"- trainer resumed from checkpoints {res['resumed_from']}; corrupt checkpoints skipped: "
-        f"{sorted(set(res['corrupt_skipped']))}",
-        f"- rollout refused versions {res['refused_versions']}; adopted {len(res['adopted_versions'])} versions",
-        f"- dead letters: {res['dead_letters']}; restarts: {res['restarts']} (only the injected ones)",
-        f"- final held-out accuracy: {res['final_eval'] and res['final_eval']['accuracy']}",
-        "",
-    ]
-    if res["audit_problems"]:
-        lines += ["Audit problems:", *[f"- {p}" for p in res["audit_problems"]], ""]
-    return "\n".join(lines)
 
 
 def main() -> None:
@@ -416,7 +358,7 @@ def main() -> None:
     a = ap.parse_args()
     cmd = " ".join([".venv/bin/python bench/chaos.py", *sys.argv[1:]])
     res = run_chaos(a.steps, a.kills, a.outage_s, a.seed, not a.no_baseline, **({"model": a.model} if a.model else {}))
-    emit(report(res, cmd), a.out, res)
+    emit(report(res, cmd), a.out, res, figures=figures(res), command=cmd)
     sys.exit(0 if res["ok"] else 1)
 
 

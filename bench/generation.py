@@ -13,7 +13,7 @@ both do the same work), base weights, fp32, the machine's cores:
 Each side runs in its own process (one engine per process), `--rounds` times alternating;
 inside a process every length is timed `--reps` times after one untimed warm-up call.
 
-    .venv/bin/python bench/generation.py [--lengths 6,32,128] [--rounds 2] [--out docs/bench/generation.md]
+    .venv/bin/python bench/generation.py [--lengths 6,32,128] [--rounds 2] [--out bench/results/generation.md]
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.output import emit  # noqa: E402
+from tests.support.lab.jobs import G  # noqa: E402
+from tests.support.lab.results import Figure, emit, figure  # noqa: E402
+from tests.support.lab.stack import MODEL  # noqa: E402
 
-MODEL = ROOT / ".burstrl" / "models" / "tiny-sft"
 PROMPTS = [f"{a}+{b}=" for a, b in [(3, 4), (12, 9), (7, 21), (25, 3), (18, 18), (0, 29), (11, 14), (6, 6)]]
-G = 16
 
 
 def run_hf(model: str, lengths: list[int], reps: int) -> dict[int, list[float]]:
@@ -136,6 +136,23 @@ def report(rates: dict[str, dict[int, list[float]]], cmd: str, rounds: int) -> s
     return "\n".join(lines)
 
 
+def figures(res: dict[str, Any]) -> list[Figure]:
+    """The headline figures of a results JSON: vLLM's tokens/s over HF's at each length (medians)."""
+    rates = res["rates"]
+    out = []
+    for n in sorted(rates["hf"], key=int):
+        hf, vl = statistics.median(rates["hf"][n]), statistics.median(rates["vllm"][n])
+        out.append(
+            figure(
+                f"generation tok/s vLLM / HF generate, {n} new tokens",
+                f"{vl:.0f} tok/s",
+                baseline=f"HF {hf:.0f} tok/s",
+                ratio=vl / hf,
+            )
+        )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="6,32,128")
@@ -161,8 +178,9 @@ def main() -> None:
             for n, xs in one_side(side, a.model, lengths, a.reps).items():
                 rates[side].setdefault(n, []).extend(xs)
             print(f"round {rnd + 1}/{a.rounds}: {side} done", flush=True)
-    text = report(rates, " ".join([".venv/bin/python bench/generation.py", *sys.argv[1:]]), a.rounds)
-    emit(text, a.out, rates)
+    cmd = " ".join([".venv/bin/python bench/generation.py", *sys.argv[1:]])
+    data = {"rates": rates}
+    emit(report(rates, cmd, a.rounds), a.out, data, figures=figures(data), command=cmd)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ library is missing are reported as skipped with the reason, never measured anoth
 planner's estimate needs pydantic; without it the column says so.
 
 Usage (bench/gpu_check.sh wraps it with the wheels it may need):
-    python bench/gpu_check.py --out $OUT/gpu_calibration.md [--doc docs/plan_calibration.md]
-    python bench/gpu_check.py --dry-run --doc docs/plan_calibration.md   # no CUDA: estimates, "not measured"
+    python bench/gpu_check.py --out $OUT/gpu_calibration.md [--doc bench/results/plan_calibration.md]
+    python bench/gpu_check.py --dry-run --doc bench/results/plan_calibration.md   # no CUDA: estimates, "not measured"
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from bench.output import emit  # noqa: E402
+from tests.support.lab.results import emit  # noqa: E402
 
 # Qwen2.5-0.5B's config.json (the shapes only; the weights are random).
 QWEN05B = {
@@ -309,7 +309,7 @@ def table(results: list[Result], device: str, command: str) -> str:
 
 
 def put_section(doc: Path, section: str) -> None:
-    """Replace (or append) the GPU section at the end of docs/plan_calibration.md."""
+    """Replace (or append) the GPU section at the end of bench/results/plan_calibration.md."""
     text = doc.read_text() if doc.exists() else ""
     head = text.split(GPU_HEADING, 1)[0].rstrip("\n")
     doc.write_text(head + "\n\n" + section)
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(res)
     command = "bash bench/gpu_check.sh" if not args.dry_run else "python bench/gpu_check.py --dry-run"
     section = table(results, device, command)
-    emit(section, args.out, [asdict(r) for r in results])
+    emit(section, args.out, {"rows": [asdict(r) for r in results]}, command=command)
     if args.doc:
         put_section(args.doc, section)
     print(f"done in {time.time() - start:.0f}s", file=sys.stderr)

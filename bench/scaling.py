@@ -4,29 +4,33 @@ One stack with two rollout services (each its own vLLM engine, port and adapter 
 "One replica" pauses the second (SIGSTOP of its process group, so it takes no entries);
 "two" runs both. Rounds alternate one / two. Measured, each round:
 - rollout alone: groups/s the rollout replicas turn a full prompt queue into (the other
-  stages paused; see bench/pipeline.py `stages_alone`);
+  stages paused; tests/support/lab/stages.py);
 - end-to-end: trained groups/s of the demo-shaped job (eval off).
 On a 2-core machine two engines compete for the same cores, so the point is that the
 replicas share the work correctly, and what it costs or gains, not the absolute number.
 
-    .venv/bin/python bench/scaling.py [--steps 12] [--rounds 2] [--out docs/bench/scaling.md]
+    .venv/bin/python bench/scaling.py [--steps 12] [--rounds 2] [--out bench/results/scaling.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.output import emit  # noqa: E402
-from bench.pipeline import DEMO_SHAPE, MODEL, Stack, run_job, stages_alone  # noqa: E402
+from tests.support.lab.jobs import DEMO_SHAPE  # noqa: E402
+from tests.support.lab.results import Figure, emit, figure  # noqa: E402
+from tests.support.lab.stack import MODEL, Stack, run_job  # noqa: E402
+from tests.support.lab.stages import stages_alone  # noqa: E402
 
 
 def groups_made(st: Stack) -> dict[str, int]:
@@ -37,6 +41,20 @@ def groups_made(st: Stack) -> dict[str, int]:
         line = next((ln for ln in text.splitlines() if ln.startswith("burstrl_rollout_groups_total")), "x 0")
         out[name] = int(float(line.split()[-1]))
     return out
+
+
+def figures(res: dict[str, Any]) -> list[Figure]:
+    """The headline figures of a results JSON: two replicas against one, rollout alone and end-to-end."""
+    med = {n: {k: statistics.median(v) for k, v in x.items()} for n, x in res["results"].items()}
+    return [
+        figure(
+            f"2 / 1 rollout replicas, {what}",
+            f"{med['2'][k]:.2f} groups/s",
+            baseline=f"{med['1'][k]:.2f} groups/s with one",
+            ratio=med["2"][k] / med["1"][k],
+        )
+        for k, what in (("alone", "rollout alone"), ("e2e", "end-to-end"))
+    ]
 
 
 def main() -> None:
@@ -88,7 +106,8 @@ def main() -> None:
         f"Groups made per replica in the two-replica end-to-end jobs: {share}.",
         "",
     ]
-    emit("\n".join(lines), a.out, {"results": res, "share": share})
+    data = json.loads(json.dumps({"results": res, "share": share}))  # replica counts as JSON keys, as read back
+    emit("\n".join(lines), a.out, data, figures=figures(data), command=cmd)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ synchronous: rollout may only sample from the newest version, so it waits for ev
 optimizer step (and the trainer for every batch). Jobs run one after another, the order
 reversed in alternate rounds so drift on the shared machine hits all settings alike.
 
-    .venv/bin/python bench/staleness.py [--steps 20] [--rounds 1] [--out docs/bench/staleness.md]
+    .venv/bin/python bench/staleness.py [--steps 20] [--rounds 1] [--out bench/results/staleness.md]
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.output import emit  # noqa: E402
-from bench.pipeline import DEMO_SHAPE, MODEL, Stack, run_job  # noqa: E402
-from bench.plots import accuracy_curves  # noqa: E402
+from tests.support.lab.jobs import DEMO_SHAPE  # noqa: E402
+from tests.support.lab.plots import accuracy_curves  # noqa: E402
+from tests.support.lab.results import Figure, emit, figure  # noqa: E402
+from tests.support.lab.stack import MODEL, Stack, run_job  # noqa: E402
 
 
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
@@ -39,6 +40,22 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         "idle_frac": round(statistics.median(p["idle_frac"] for p in res["points"]), 3),
         "evals": evals,
     }
+
+
+def figures(res: dict[str, Any]) -> list[Figure]:
+    """The headline figures of a results JSON: each setting's speed-up over the first (wall
+    seconds from submission to the last step, medians over rounds)."""
+    walls = {int(s): statistics.median(r["wall_s"] for r in rs) for s, rs in res["runs"].items()}
+    first = res["settings"][0]
+    return [
+        figure(
+            f"speed-up max_staleness {s} vs {first}",
+            f"{walls[s]:.1f} s",
+            baseline=f"{walls[first]:.1f} s at max_staleness {first}",
+            ratio=walls[first] / walls[s],
+        )
+        for s in res["settings"][1:]
+    ]
 
 
 def plot(runs: dict[int, list[dict[str, Any]]], png: Path) -> None:
@@ -84,7 +101,8 @@ def main() -> None:
             f"{statistics.median(r['idle_frac'] for r in rs):.2f} |"
         )
     lines.append("")
-    emit("\n".join(lines), a.out, runs)
+    data = {"settings": settings, "runs": runs}
+    emit("\n".join(lines), a.out, data, figures=figures(data), command=cmd)
     if a.out:
         plot(runs, a.out.with_suffix(".png"))
 

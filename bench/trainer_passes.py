@@ -7,7 +7,7 @@ this setting) and the default, alternating, each from the same fresh LoRA policy
 the median seconds per step and the ratio; the update is the same either way
 (tests/unit/test_trainer_modes.py checks that).
 
-    .venv/bin/python bench/trainer_passes.py [--task countup] [--rounds 5] [--budgets 0,4096]
+    .venv/bin/python bench/trainer_passes.py [--task countup] [--rounds 5] [--budgets 0,4096] [--out bench/results/trainer_passes.md]
 """
 
 from __future__ import annotations
@@ -18,11 +18,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.output import emit  # noqa: E402
-from bench.trl_compare import BATCH, WORKLOADS, G, ensure_model  # noqa: E402
+from tests.support.lab.heldout import WORKLOADS, ensure_model  # noqa: E402
+from tests.support.lab.jobs import BATCH, G  # noqa: E402
+from tests.support.lab.results import Figure, emit, figure  # noqa: E402
 
 
 def sample_batch(model_dir: str, task_name: str, max_tokens: int) -> list:  # noqa: ANN001
@@ -78,13 +80,30 @@ def sample_batch(model_dir: str, task_name: str, max_tokens: int) -> list:  # no
     return groups
 
 
+def figures(res: dict[str, Any]) -> list[Figure]:
+    """The headline figures of a results JSON: each micro_batch_tokens setting's step against
+    the first setting's (one padded pass), medians."""
+    med = {int(b): statistics.median(ts) for b, ts in res["times"].items()}
+    first, *rest = res["budgets"]
+    against = "one padded pass" if first == 0 else f"micro_batch_tokens {first}"
+    return [
+        figure(
+            f"trainer step, micro_batch_tokens {b} vs {against} ({res['task']}), speed",
+            f"{med[b]:.3f} s/step",
+            baseline=f"{med[first]:.3f} s/step",
+            ratio=med[first] / med[b],
+        )
+        for b in rest
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", choices=sorted(WORKLOADS), default="countup")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--budgets", default="0,4096", help="micro_batch_tokens settings, comma-separated.")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the local stack gives the trainer 1).")
-    ap.add_argument("--out", type=Path, help="Also write the markdown here.")
+    ap.add_argument("--out", type=Path, help="Also write the markdown here (and .json beside it).")
     a = ap.parse_args()
     import torch
 
@@ -126,7 +145,8 @@ def main() -> None:
     for b in budgets:
         m = statistics.median(times[b])
         lines.append(f"| {b or '0 (one pass)'} | {m:.3f} | **{base / m:.2f}x** |")
-    emit("\n".join(lines) + "\n", a.out)
+    data = {"task": a.task, "threads": a.threads, "budgets": budgets, "lengths": lengths, "times": times}
+    emit("\n".join(lines) + "\n", a.out, data, figures=figures(data), command=cmd)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from a git worktree of `--baseline` (B), in turn, A B A B ... Each run is timed 
 session's "start" point (job leased, model loaded, optimizer built, checkpoint restored: it reads
 next), then stopped with SIGTERM. The ratio A/B is taken pair by pair.
 
-    .venv/bin/python bench/trainer_startup.py --baseline 9061c30 --rounds 7 --out docs/bench/trainer_startup.md
+    .venv/bin/python bench/trainer_startup.py --baseline 9061c30 --rounds 7 --out bench/results/trainer_startup.md
 """
 
 from __future__ import annotations
@@ -26,12 +26,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.burst_setups import JOB  # noqa: E402
-from bench.output import emit  # noqa: E402
-from bench.pipeline import Stack, submit  # noqa: E402
-from bench.run_all import machine  # noqa: E402
 from services.cli.launch import free_port  # noqa: E402
 from shared.metrics import read_session_points  # noqa: E402
+from tests.support.lab.jobs import BURST_JOB  # noqa: E402
+from tests.support.lab.results import Figure, emit, figure, machine  # noqa: E402
+from tests.support.lab.stack import Stack, submit  # noqa: E402
 
 
 def start_once(stack: Stack, tree: Path, job_id: str, epoch: int, timeout: float = 300) -> dict[str, float]:
@@ -79,7 +78,7 @@ def main() -> None:
         subprocess.run(["git", "worktree", "add", "-q", "--detach", str(wt), a.baseline], cwd=ROOT, check=True)
         try:
             with Stack(Path(tmp) / "home", roles=["api"]) as stack:
-                job_id = submit(stack, {**JOB, "name": "startup"})
+                job_id = submit(stack, {**BURST_JOB, "name": "startup"})
                 epoch = 0
                 for i in range(a.rounds):
                     for side, tree in (("A", ROOT), ("B", wt)):
@@ -90,22 +89,48 @@ def main() -> None:
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(wt)], cwd=ROOT, check=False)
     text = report(rows, a, base.stdout.strip())
-    emit(text, a.out, {"rows": rows, "baseline": base.stdout.strip()})
+    cmd = command(a)
+    data = {"rows": rows, "baseline": base.stdout.strip()}
+    emit(text, a.out, data, figures=figures(data), command=cmd)
+
+
+def pair_ratios(rows: list[dict]) -> list[float]:
+    """A/B spawn-to-ready, pair by pair (A and B alternate, A first)."""
+    sides = ([r for r in rows if r["side"] == s] for s in ("A", "B"))
+    return [a_["ready_s"] / b_["ready_s"] for a_, b_ in zip(*sides, strict=True)]
+
+
+def figures(res: dict) -> list[Figure]:
+    """The headline figure of a results JSON: this tree's spawn to ready over the baseline's."""
+    rows = res["rows"]
+
+    def med(side: str) -> float:
+        return statistics.median(r["ready_s"] for r in rows if r["side"] == side)
+
+    return [
+        figure(
+            f"trainer spawn to ready, this tree / {res['baseline']}, median of pairs",
+            f"{med('A'):.2f} s",
+            baseline=f"{med('B'):.2f} s at {res['baseline']}",
+            ratio=statistics.median(pair_ratios(rows)),
+        )
+    ]
+
+
+def command(a: argparse.Namespace) -> str:
+    out = f" --out {a.out}" if a.out else ""
+    return f".venv/bin/python bench/trainer_startup.py --baseline {a.baseline} --rounds {a.rounds}{out}"
 
 
 def report(rows: list[dict], a: argparse.Namespace, base: str) -> str:
     def med(side: str, key: str) -> float:
         return statistics.median(r[key] for r in rows if r["side"] == side)
 
-    ratios = [
-        a_["ready_s"] / b_["ready_s"]
-        for a_, b_ in zip([r for r in rows if r["side"] == "A"], [r for r in rows if r["side"] == "B"], strict=True)
-    ]
-    cmd = f".venv/bin/python bench/trainer_startup.py --baseline {a.baseline} --rounds {a.rounds}"
+    ratios = pair_ratios(rows)
     lines = [
         "## A burst trainer's start-up: spawn to ready (issue 20's billable seconds)",
         "",
-        f"`{cmd}{f' --out {a.out}' if a.out else ''}`",
+        f"`{command(a)}`",
         "",
         machine(),
         "",

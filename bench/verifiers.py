@@ -1,6 +1,6 @@
 """Verifier throughput: completions/s for math (math-verify) and code (sandboxed tests).
 
-    .venv/bin/python bench/verifiers.py [--n-math 400] [--n-code 64] [--parallel 2]
+    .venv/bin/python bench/verifiers.py [--n-math 400] [--n-code 64] [--parallel 2] [--out bench/results/verifiers.md]
 
 Code is shown beside a baseline: the same programs and tests run by a plain,
 unsandboxed `python3 -I -S` subprocess each (what isolation costs, as a ratio).
@@ -11,11 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
-from shared.domain.sandbox import check_isolation, settings
-from shared.domain.verifiers import get_verifier
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from shared.domain.sandbox import check_isolation, settings  # noqa: E402
+from shared.domain.verifiers import get_verifier  # noqa: E402
+from tests.support.lab.results import Figure, emit, figure  # noqa: E402
 
 MATH = [
     ("\\boxed{\\frac{2}{4}}", "\\frac12"),
@@ -68,22 +73,61 @@ def bench_baseline(n: int, parallel: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def figures(res: dict[str, Any]) -> list[Figure]:
+    """The headline figures of a results JSON: math completions/s, and the sandbox's time per code
+    completion against an unsandboxed subprocess's (when the sandbox could run)."""
+    out = [figure("math verifier (math-verify, 1 process)", f"{res['math_per_s']:.1f} completions/s")]
+    if res.get("code_per_s"):
+        out.append(
+            figure(
+                f"code verifier, time per completion sandboxed / unsandboxed subprocess ({res['parallel']} at once)",
+                f"{res['code_per_s']:.1f} completions/s",
+                baseline=f"unsandboxed {res['baseline_per_s']:.1f} completions/s",
+                ratio=res["baseline_per_s"] / res["code_per_s"],
+            )
+        )
+    return out
+
+
+def report(res: dict[str, Any], cmd: str) -> str:
+    lines = [
+        "## Verifier throughput",
+        "",
+        f"`{cmd}`",
+        "",
+        "| verifier | completions/s |",
+        "|---|---|",
+        f"| math (math-verify, 1 process) | {res['math_per_s']:.1f} |",
+    ]
+    if res.get("code_per_s"):
+        lines += [
+            f"| code (sandboxed, {res['parallel']} at once, 4 tests) | {res['code_per_s']:.1f} |",
+            f"| code (unsandboxed subprocess baseline) | {res['baseline_per_s']:.1f} |",
+            "",
+            f"Sandbox cost: **{res['baseline_per_s'] / res['code_per_s']:.2f}x** the baseline's time per completion.",
+        ]
+    else:
+        lines += ["", f"Code: skipped, sandbox unavailable: {res['code_skipped']}"]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n-math", type=int, default=400)
     ap.add_argument("--n-code", type=int, default=64)
     ap.add_argument("--parallel", type=int, default=2, help="concurrent sandboxes (keep <= cores)")
+    ap.add_argument("--out", type=Path, default=None, help="The page (and its .json beside it); default: stdout only.")
     a = ap.parse_args()
-    print(f"math (math-verify, 1 process)        {bench_math(a.n_math):8.1f} completions/s")
+    cmd = " ".join([".venv/bin/python bench/verifiers.py", *sys.argv[1:]])
+    res: dict[str, Any] = {"n_math": a.n_math, "n_code": a.n_code, "parallel": a.parallel}
+    res["math_per_s"] = bench_math(a.n_math)
     ok, why = check_isolation()
-    if not ok:
-        print(f"code: skipped, sandbox unavailable: {why}")
-        return
-    sb = bench_code(a.n_code, a.parallel)
-    base = bench_baseline(a.n_code, a.parallel)
-    print(f"code (sandboxed, {a.parallel} at once, 4 tests)  {sb:8.1f} completions/s")
-    print(f"code (unsandboxed subprocess baseline)  {base:8.1f} completions/s")
-    print(f"sandbox cost: {base / sb:.2f}x the baseline's time per completion")
+    if ok:
+        res["code_per_s"] = bench_code(a.n_code, a.parallel)
+        res["baseline_per_s"] = bench_baseline(a.n_code, a.parallel)
+    else:
+        res["code_skipped"] = why
+    emit(report(res, cmd), a.out, res, figures=figures(res), command=cmd)
 
 
 if __name__ == "__main__":

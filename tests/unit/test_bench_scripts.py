@@ -1,35 +1,32 @@
-"""Every bench/ script loads: its imports resolve in this tree (a harness module that moved
-broke `make bench` once: bench/backlog.py still imported tests.backlog_helpers).
+"""The benchmarks' own code: every bench/ script loads, their pure functions, the collected index.
 
-Run as a separate process, as `make bench` runs them; tests never import bench/ themselves."""
+The one test module that imports bench/ (docs/architecture.md, "Tests in layers"): a benchmark's
+pure functions are tested where they live, in-process; what a benchmark shares with others lives in
+tests/support/lab/ and is tested through them. Scripts that are commands (cpu_profile) run as their
+own process, as their users run them."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import math
+import shlex
+import shutil
 import subprocess
 import sys
 
+import pytest
+
 from tests.support import ROOT
+from tests.support.lab.results import RESULTS, figure, write_json
 
-# Load each script as a module (not as __main__: nothing runs), one process for all of them.
-LOAD_ALL = """
-import importlib.util, pathlib, sys
-failed = []
-for path in sorted(pathlib.Path("bench").glob("*.py")):
-    spec = importlib.util.spec_from_file_location(f"bench_check.{path.stem}", path)
-    mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look it up
-    try:
-        spec.loader.exec_module(mod)
-    except Exception as e:
-        failed.append(f"{path}: {type(e).__name__}: {e}")
-print("\\n".join(failed))
-sys.exit(1 if failed else 0)
-"""
+SCRIPTS = sorted(p.stem for p in (ROOT / "bench").glob("*.py"))
 
 
-def test_every_bench_script_loads():
-    proc = subprocess.run([sys.executable, "-c", LOAD_ALL], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_bench_script_loads(name):
+    """Its imports resolve in this tree (a harness module that moved broke `make bench` once)."""
+    importlib.import_module(f"bench.{name}")
 
 
 # One second of CPU in a child, however long that takes on a busy box.
@@ -56,64 +53,31 @@ def test_cpu_profile_passes_on_the_commands_exit_code_and_refuses_no_command():
     assert none.returncode == 2 and "give the command" in none.stderr
 
 
-# bench/burst.py's quota_for_k, run in a child as `make bench` runs it; cases by hand below.
-QUOTA_FOR_K = """
-import json, math, sys
-from bench.burst import quota_for_k
-out = []
-for case in json.loads(sys.argv[1]):
-    try:
-        out.append(list(quota_for_k(*case)))
-    except ValueError as e:
-        out.append(str(e))
-print(json.dumps(out))
-"""
-
-
+# -- bench/burst.py's quota, ratios and evaluation grid ---------------------------------------------
 def test_burst_quota_for_k_solves_the_power_law_through_two_probes():
-    cases = [
-        # alpha = log(4/2)/log(0.2/0.1) = 1; want 40/4 = 10 groups/s from the nearer probe (0.2, 4): 0.2 * 10/4
-        [4.0, 40.0, [[0.1, 2.0], [0.2, 4.0]]],
-        # alpha = log(4/1)/log 2 = 2; want 36/4 = 9 from (0.2, 4): 0.2 * (9/4) ** 0.5 = 0.3
-        [4.0, 36.0, [[0.1, 1.0], [0.2, 4.0]]],
-        # a flat pair (alpha 0.014) is clamped to 0.5: 0.2 * (10/2.02) ** 2 = 4.9 cores, clamped to 1.5
-        [4.0, 40.0, [[0.1, 2.0], [0.2, 2.02]]],
-        # the nearer probe is the first: want 1; 0.1 * (1/2) ** 1 = 0.05
-        [10.0, 10.0, [[0.1, 2.0], [0.2, 4.0]]],
-        [0.0, 40.0, [[0.1, 2.0], [0.2, 4.0]]],
-        [4.0, float("nan"), [[0.1, 2.0], [0.2, 4.0]]],
-        [4.0, 40.0, [[0.1, 2.0], [0.1, 4.0]]],
-        [4.0, 40.0, [[0.1, 0.0], [0.2, 4.0]]],
-    ]
-    proc = subprocess.run(
-        [sys.executable, "-c", QUOTA_FOR_K, json.dumps(cases)], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got[0] == [0.5, 1.0]
-    assert got[1] == [0.3, 2.0]
-    assert got[2] == [1.5, 0.5]
-    assert got[3] == [0.05, 1.0]
-    assert "k_target must be a positive number" in got[4]
-    assert "trainer_gps must be positive" in got[5]
-    assert "different quotas" in got[6] and "different quotas" in got[7]
+    from bench.burst_quota import quota_for_k
 
-
-# bench/burst.py's per-round ratios and the quota re-solved between rounds, run in a child likewise.
-ROUNDS = """
-import json, math, sys
-from bench.burst import requota
-from bench.burst_report import round_ratios
-runs, requotas = json.loads(sys.argv[1])
-out = {}
-for key, other in (("m2po_limit", "windowed"), ("m2po_limit", "trl")):
-    out[f"{key}/{other}"] = [[None if math.isinf(v) else round(v, 6), exact] for v, exact in round_ratios(runs, key, other)]
-out["requota"] = [requota(*case) for case in requotas]
-print(json.dumps(out))
-"""
+    # alpha = log(4/2)/log(0.2/0.1) = 1; want 40/4 = 10 groups/s from the nearer probe (0.2, 4): 0.2 * 10/4
+    assert quota_for_k(4.0, 40.0, [(0.1, 2.0), (0.2, 4.0)]) == (0.5, 1.0)
+    # alpha = log(4/1)/log 2 = 2; want 36/4 = 9 from (0.2, 4): 0.2 * (9/4) ** 0.5 = 0.3
+    assert quota_for_k(4.0, 36.0, [(0.1, 1.0), (0.2, 4.0)]) == (0.3, 2.0)
+    # a flat pair (alpha 0.014) is clamped to 0.5: 0.2 * (10/2.02) ** 2 = 4.9 cores, clamped to 1.5
+    assert quota_for_k(4.0, 40.0, [(0.1, 2.0), (0.2, 2.02)]) == (1.5, 0.5)
+    # the nearer probe is the first: want 1; 0.1 * (1/2) ** 1 = 0.05
+    assert quota_for_k(10.0, 10.0, [(0.1, 2.0), (0.2, 4.0)]) == (0.05, 1.0)
+    with pytest.raises(ValueError, match="k_target must be a positive number"):
+        quota_for_k(0.0, 40.0, [(0.1, 2.0), (0.2, 4.0)])
+    with pytest.raises(ValueError, match="trainer_gps must be positive"):
+        quota_for_k(4.0, float("nan"), [(0.1, 2.0), (0.2, 4.0)])
+    for probes in ([(0.1, 2.0), (0.1, 4.0)], [(0.1, 0.0), (0.2, 4.0)]):
+        with pytest.raises(ValueError, match="different quotas"):
+            quota_for_k(4.0, 40.0, probes)
 
 
 def test_burst_ratios_pair_runs_of_one_round_and_the_quota_moves_k_to_its_target():
+    from bench.burst_quota import requota
+    from bench.burst_stats import round_ratios
+
     def run(setup, rnd, to, billable=70.0):
         return {"setup": setup, "round": rnd, "to_threshold": to, "billable_s": billable}
 
@@ -128,69 +92,33 @@ def test_burst_ratios_pair_runs_of_one_round_and_the_quota_moves_k_to_its_target
         run("windowed", 2, 30.0),
         run("m2po_limit", 2, None),  # round 2: the backlog never reached it; no TRL
     ]
-    requotas = [
-        [0.2, 5.0, 4.0, 1.0],  # k 25% high: 25% more quota
-        [0.2, 2.0, 4.0, 2.0],  # k half the target at alpha 2: 0.2 * 0.5 ** 0.5
-        [0.2, float("nan"), 4.0, 1.0],  # no k measured: unchanged
-        [1.2, 8.0, 4.0, 1.0],  # 2.4 cores, clamped to 1.5
-    ]
-    proc = subprocess.run(
-        [sys.executable, "-c", ROUNDS, json.dumps([runs, requotas])],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["m2po_limit/windowed"] == [[0.5, True], [0.25, False], [None, True]]
-    assert got["m2po_limit/trl"] == [[0.25, True], [2.0, True]]
-    assert got["requota"] == [0.25, 0.141, 0.2, 1.5]
-
-
-# bench/burst.py's refine: the versions evaluated again where the grid skipped the threshold's crossing.
-REFINE = """
-import json, sys
-from bench.burst import refine
-print(json.dumps([refine(*case) for case in json.loads(sys.argv[1])]))
-"""
+    assert round_ratios(runs, "m2po_limit", "windowed") == [(0.5, True), (0.25, False), (math.inf, True)]
+    assert round_ratios(runs, "m2po_limit", "trl") == [(0.25, True), (2.0, True)]
+    assert requota(0.2, 5.0, 4.0, 1.0) == 0.25  # k 25% high: 25% more quota
+    assert requota(0.2, 2.0, 4.0, 2.0) == 0.141  # k half the target at alpha 2: 0.2 * 0.5 ** 0.5
+    assert requota(0.2, float("nan"), 4.0, 1.0) == 0.2  # no k measured: unchanged
+    assert requota(1.2, 8.0, 4.0, 1.0) == 1.5  # 2.4 cores, clamped to 1.5
 
 
 def test_burst_refine_evaluates_the_versions_the_grid_skipped_before_the_threshold():
+    from bench.burst_eval import refine
+
     def ev(*pairs):
         return [{"version": v, "accuracy": acc} for v, acc in pairs]
 
     versions = list(range(1, 51))
-    cases = [
-        # the 2026-12-04 run: 0.484 at v25, next evaluated v46 at 0.754: 26..45 (20) at a stride of 3
-        [versions, ev((0, 0.26), (24, 0.453), (25, 0.484), (46, 0.754), (50, 0.88)), 0.5],
-        # the crossing between adjacent evaluated versions: nothing to add
-        [versions, ev((0, 0.26), (24, 0.49), (25, 0.51), (46, 0.754)), 0.5],
-        # never reached: nothing to refine
-        [versions, ev((0, 0.26), (25, 0.484), (50, 0.49)), 0.5],
-        # reached at the first evaluation after the base: v1..v3 between v0 and v4, all of them
-        [versions, ev((0, 0.26), (4, 0.6)), 0.5],
-        # a dip after the crossing does not move it: the first at or above the threshold counts
-        [versions, ev((0, 0.26), (10, 0.52), (12, 0.45), (30, 0.7)), 0.5, 2],
-    ]
-    proc = subprocess.run(
-        [sys.executable, "-c", REFINE, json.dumps(cases)], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got[0] == [26, 29, 32, 35, 38, 41, 44]
-    assert got[1] == [] and got[2] == []
-    assert got[3] == [1, 2, 3]
-    assert got[4] == [1, 6]  # v1..v9 at a stride of 5 (most 2)
-
-
-# bench/burst_report.py's reading of a burst-side replica: each replica setup against its pair.
-REPLICA = """
-import json, sys
-from bench.burst_report import pair_lines
-runs, many = json.loads(sys.argv[1])
-print(json.dumps(pair_lines(runs, {x["setup"] for x in runs}, 0.5, many)))
-"""
+    # the 2026-12-04 run: 0.484 at v25, next evaluated v46 at 0.754: 26..45 (20) at a stride of 3
+    grid = ev((0, 0.26), (24, 0.453), (25, 0.484), (46, 0.754), (50, 0.88))
+    assert refine(versions, grid, 0.5) == [26, 29, 32, 35, 38, 41, 44]
+    # the crossing between adjacent evaluated versions: nothing to add
+    assert refine(versions, ev((0, 0.26), (24, 0.49), (25, 0.51), (46, 0.754)), 0.5) == []
+    # never reached: nothing to refine
+    assert refine(versions, ev((0, 0.26), (25, 0.484), (50, 0.49)), 0.5) == []
+    # reached at the first evaluation after the base: v1..v3 between v0 and v4, all of them
+    assert refine(versions, ev((0, 0.26), (4, 0.6)), 0.5) == [1, 2, 3]
+    # a dip after the crossing does not move it: the first at or above the threshold counts;
+    # v1..v9 at a stride of 5 (most 2)
+    assert refine(versions, ev((0, 0.26), (10, 0.52), (12, 0.45), (30, 0.7)), 0.5, 2) == [1, 6]
 
 
 def _run(setup: str, rnd: int, to: float | None, billable: float, evals: list[tuple[float, float]]) -> dict:
@@ -205,12 +133,9 @@ def _run(setup: str, rnd: int, to: float | None, billable: float, evals: list[tu
 
 
 def _pair_line(runs: list[dict]) -> str:
-    """pair_lines' one line for these runs, read in a fresh interpreter as the page builder does."""
-    proc = subprocess.run(
-        [sys.executable, "-c", REPLICA, json.dumps([runs, True])], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (line,) = json.loads(proc.stdout.strip().splitlines()[-1])
+    from bench.burst_report import pair_lines
+
+    (line,) = pair_lines(runs, {x["setup"] for x in runs}, 0.5, True)
     return line
 
 
@@ -248,3 +173,83 @@ def test_burst_pair_reading_reads_dynamic_sampling_against_the_same_job_without_
     assert "**per round 0.75x, 1.50x; median 1.12x**" in line
     assert "(no target: below 1x skipping the groups with no advantage pays)" in line
     assert line.endswith("accuracy at its run's billable s: 0.900 vs 0.500 at 71 s; 0.700 vs 0.750 at 70 s")
+
+
+# -- bench/burst.py's page, rebuilt from its JSON ---------------------------------------------------
+def test_burst_command_shown_on_the_page_runs_as_shown():
+    """An empty argument stays one (a run with `--lags ''` once showed `--lags  --rounds 3`, which
+    argparse refuses), so the shown command both reruns and rebuilds the page."""
+    from bench.burst import parser, settings, shown_command
+
+    argv = ["--setups", "windowed,m2po_limit", "--lags", "", "--rounds", "3", "--cycle-s", "300"]
+    shown = shown_command(argv)
+    assert shown.startswith(".venv/bin/python bench/burst.py ")
+    again = settings(parser(), shlex.split(shown)[2:])
+    assert (again.lags, again.rounds, again.cycle_s, again.setup_list) == ("", 3, 300.0, ["windowed", "m2po_limit"])
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in RESULTS.glob("burst*.json")))
+def test_burst_page_rebuilds_from_its_json_with_the_runs_own_settings(name, tmp_path, capsys):
+    """--report-only with nothing but --out: the page that run made, byte for byte but for the plot's
+    path (here in tmp_path). The settings come from the command in the JSON: a 300 s-cycle run's page
+    rebuilt with this command line's defaults would say 140 s cycles."""
+    from bench.burst import rebuild
+
+    shutil.copy(RESULTS / f"{name}.json", tmp_path / f"{name}.json")
+    rebuild(tmp_path / f"{name}.md")
+    capsys.readouterr()  # the page is printed too
+
+    def page(path):
+        return [ln for ln in path.read_text().splitlines() if not ln.startswith("Plot: ")]
+
+    assert page(tmp_path / f"{name}.md") == page(RESULTS / f"{name}.md")
+    assert (tmp_path / f"{name}.png").exists()
+    assert json.loads((tmp_path / f"{name}.json").read_text())["headline"]
+
+
+# -- the index bench/run_all.py collects ------------------------------------------------------------
+def _results(tmp_path, name, figures, command):
+    page = tmp_path / f"{name}.md"
+    page.write_text(f"## {name}\n")
+    write_json(page, {"runs": []}, figures, command)
+
+
+def test_run_all_collects_every_headline_row_from_the_results_json(tmp_path):
+    from bench.run_all import index
+
+    _results(tmp_path, "zeta", [figure("z figure", "3 s", baseline="6 s", ratio=0.5, target="<= 0.5x")], "cmd z")
+    _results(tmp_path, "bus", [figure("bus / raw", "0.9", ratio=float("inf"))], "cmd bus")
+    _results(tmp_path, "empty", [], "cmd empty")  # no figures: not a row, not a page
+    (tmp_path / "zeta.png").write_bytes(b"png")
+    text = index(tmp_path, ["pipeline", "bus"], "collected for a test", [])
+    rows = [ln for ln in text.splitlines() if ln.startswith("| ") and "](" in ln]
+    # the named benchmarks first, in their order, then the rest by name
+    assert rows[0] == "| bus / raw | 0.9 |  |  |  | [bus](bus.md) |"  # an infinite ratio is no ratio
+    assert rows[1] == "| z figure | 3 s | 6 s | **0.50x** | <= 0.5x | [zeta](zeta.md) |"
+    assert rows[2].startswith("| [bus](bus.md) | `cmd bus` | 20")
+    assert rows[3].startswith("| [zeta](zeta.md) | `cmd z` | 20") and rows[3].endswith("| [zeta.png](zeta.png) |")
+    assert len(rows) == 4 and "empty" not in text and "## Run log" not in text
+
+
+def test_run_all_refuses_a_headline_row_naming_the_file_row_and_field(tmp_path):
+    from bench.run_all import index
+
+    _results(tmp_path, "bus", [figure("ok", "1")], "cmd")
+    data = json.loads((tmp_path / "bus.json").read_text())
+    data["headline"].append({**data["headline"][0], "ratio": "fast"})
+    del data["headline"][1]["page"]
+    (tmp_path / "bus.json").write_text(json.dumps(data))
+    with pytest.raises(SystemExit) as e:
+        index(tmp_path, ["bus"], "", [])
+    assert "bus.json: bad headline" in str(e.value)
+    assert "row 1, field ratio" in str(e.value) and "row 1, field page: Field required" in str(e.value)
+
+
+def test_run_all_collect_only_writes_the_index_from_the_results_as_they_are(tmp_path):
+    _results(tmp_path, "bus", [figure("bus / raw", "0.9", ratio=0.9)], "cmd bus")
+    cmd = [sys.executable, "bench/run_all.py", "--collect-only", "--results", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = (tmp_path / "index.md").read_text()
+    assert "| bus / raw | 0.9 |  | **0.90x** |  | [bus](bus.md) |" in text
+    assert "Collected without running anything" in text
