@@ -1,6 +1,6 @@
 """Run examples/demo_rg.toml on a private local stack (free ports) and plot its curve.
 
-    PYTHONPATH=. .venv/bin/python examples/run_demo_rg.py --steps 30 --out docs/demo_rg.png
+    PYTHONPATH=. .venv/bin/python examples/run_demo_rg.py --steps 30 --out bench/results/demo_rg.png
 
 What `burstrl init-model --rg` + `burstrl up` + `burstrl submit examples/demo_rg.toml --follow`
 do, but on free ports (so it runs beside another stack) and with the demo's plot at the end.
@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--job", type=Path, default=Path("examples/demo_rg.toml"))
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--home", type=Path, default=Path(".burstrl/demo-rg"))
-    ap.add_argument("--out", type=Path, default=Path("docs/demo_rg.png"))
+    ap.add_argument("--out", type=Path, default=Path("bench/results/demo_rg.png"))
     a = ap.parse_args()
     console = Console()
     spec = tomllib.loads(a.job.read_text())

@@ -40,7 +40,7 @@ Placement = Literal["disaggregated", "colocated"]
 Objective = Literal["cost", "time"]
 # Where each number comes from (report.py prints it; --json carries it).
 PROVENANCE = {
-    "trainer memory": "calibrated: tensor bytes within ±5% of measured CPU steps (docs/plan_calibration.md); "
+    "trainer memory": "calibrated: tensor bytes within ±5% of measured CPU steps (bench/results/plan_calibration.md); "
     "GPU context and allocator slack assumed (+1 GB, +5%)",
     "rollout and ref memory": "estimated: mirrors vLLM's profiling formula, not measured",
     "step times and rates": "estimated: FLOPs/bandwidth model with mfu and bw_eff, expect ±50%",

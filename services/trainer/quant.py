@@ -123,7 +123,7 @@ def skip_unused_bitsandbytes(settings: TrainerSettings) -> bool:
 
     peft (peft/helpers.py) and transformers import it whenever it is installed. That import alone
     took 1.0-1.3 s of each trainer start here (it loads torch._inductor for its CPU kernels, and logs
-    a "kernels" warning), paid in every burst and every restart (docs/bench/trainer_startup.md). A
+    a "kernels" warning), paid in every burst and every restart (bench/results/trainer_startup.md). A
     None entry in sys.modules makes `import bitsandbytes` raise ImportError, Python's documented
     way to block an import, and both libraries then read bitsandbytes as absent, which it is for
     this process: only optimizer=adamw8bit and base_bits=4 use it. Call before peft or transformers
