@@ -15,8 +15,9 @@ def moto_s3(*buckets: str) -> Iterator[str]:
     """moto's S3 server on a free loopback port with these buckets: its endpoint; stopped by pid on exit."""
     proc, endpoint = start_s3()
     try:
-        for name in buckets:
-            make_bucket(endpoint, name)
+        with s3_env(endpoint):  # the client that makes them reads its credentials there too
+            for name in buckets:
+                make_bucket(endpoint, name)
         yield endpoint
     finally:
         stop(proc)
