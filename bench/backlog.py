@@ -57,7 +57,7 @@ from shared.segments import DATA, pack  # noqa: E402
 from shared.store import MANIFEST, ObjectStore, open_store  # noqa: E402
 from tests.support.backlog import Drain, group, new_job, push_ready, runtime, spec, spiller  # noqa: E402
 from tests.support.lab.jobs import BACKLOG  # noqa: E402
-from tests.support.lab.results import RESULTS, emit  # noqa: E402
+from tests.support.lab.results import RESULTS, emit, shown_command  # noqa: E402
 from tests.support.lab.s3 import moto_s3, s3_env  # noqa: E402
 from tests.support.lab.stack import MODEL, Stack, submit  # noqa: E402
 
@@ -304,7 +304,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "backlog.md", help="The page (and its .json beside it).")
     a = ap.parse_args()
     only = set(a.only.split(","))
-    cmd = " ".join([".venv/bin/python bench/backlog.py", *sys.argv[1:]])
+    cmd = shown_command(__file__)
     res: dict[str, Any] = {}
     if "idle" in only:
         res["idle"] = bench_idle(a)

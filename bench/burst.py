@@ -103,7 +103,7 @@ from bench.burst_stats import rates  # noqa: E402
 from services.cli.launch import alive  # noqa: E402
 from services.plan.billable import accuracy_at, billable_at, session_intervals, time_to, union, windows_billable  # noqa: E402
 from shared.metrics import read_ledger, read_points, read_session_points  # noqa: E402
-from tests.support.lab.results import RESULTS, machine, write_json  # noqa: E402
+from tests.support.lab.results import RESULTS, machine, shown_command, write_json  # noqa: E402
 from tests.support.lab.stack import MODEL, Stack, submit  # noqa: E402
 from tests.support.lab.trl import trl_subprocess  # noqa: E402
 
@@ -288,13 +288,7 @@ def main() -> None:
         return
     # SIGTERM unwinds like Ctrl-C, so the stack's processes are stopped and the cgroup removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    finish(run(a), a, shown_command(sys.argv[1:]))
-
-
-def shown_command(argv: list[str]) -> str:
-    """The command as the page shows it and --report-only reads it back: quoted, so that an empty
-    argument (`--lags ''`) survives a copy and paste."""
-    return shlex.join([".venv/bin/python", "bench/burst.py", *argv])
+    finish(run(a), a, shown_command(__file__))
 
 
 def rebuild(out: Path) -> None:

@@ -31,7 +31,7 @@ from shared import keys  # noqa: E402
 from shared.bus import FIELD, Bus  # noqa: E402
 from shared.redis_conn import connect  # noqa: E402
 from shared.schema import Completion, GroupMsg, decode, encode, pack_f32, pack_i32, pack_u8  # noqa: E402
-from tests.support.lab.results import Figure, emit, figure  # noqa: E402
+from tests.support.lab.results import Figure, emit, figure, shown_command  # noqa: E402
 from tests.support.servers import RedisServer  # noqa: E402
 
 G, T, BATCH = 8, 512, 8
@@ -166,7 +166,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", type=Path, default=None, help="The page (and its .json beside it); default: stdout only.")
     a = ap.parse_args()
-    cmd = " ".join([".venv/bin/python bench/bus.py", *sys.argv[1:]])
+    cmd = shown_command(__file__)
     with tempfile.TemporaryDirectory(prefix="bench-bus-") as tmp:
         srv = RedisServer(Path(tmp))  # AOF everysec, as in production
         srv.start()

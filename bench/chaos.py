@@ -57,7 +57,7 @@ from shared.metrics import read_ledger, read_points  # noqa: E402
 from shared.policy import read_pointer  # noqa: E402
 from shared.redis_conn import connect  # noqa: E402
 from tests.support.lab.jobs import DEMO_SHAPE  # noqa: E402
-from tests.support.lab.results import emit  # noqa: E402
+from tests.support.lab.results import emit, shown_command  # noqa: E402
 from tests.support.lab.s3 import moto_s3, s3_env  # noqa: E402
 from tests.support.lab.stack import MODEL, Stack, run_job, submit  # noqa: E402
 from tests.support.proxy import TcpProxy  # noqa: E402
@@ -356,7 +356,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="Markdown report here (and .json beside it).")
     ap.add_argument("--model", default=None, help="Model dir (default: the demo's tiny model, built if missing).")
     a = ap.parse_args()
-    cmd = " ".join([".venv/bin/python bench/chaos.py", *sys.argv[1:]])
+    cmd = shown_command(__file__)
     res = run_chaos(a.steps, a.kills, a.outage_s, a.seed, not a.no_baseline, **({"model": a.model} if a.model else {}))
     emit(report(res, cmd), a.out, res, figures=figures(res), command=cmd)
     sys.exit(0 if res["ok"] else 1)

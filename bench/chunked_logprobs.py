@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from bench.chunked_logprobs_cases import QWEN25_05B, Case, label, side  # noqa: E402
 from bench.chunked_logprobs_report import figures, report, write_calibration  # noqa: E402
 from tests.support.lab.memory import allocations, run_fresh  # noqa: E402
-from tests.support.lab.results import RESULTS, emit  # noqa: E402
+from tests.support.lab.results import RESULTS, emit, shown_command  # noqa: E402
 
 MARKER = 777_777  # a distinctive allocation marks where the measured work starts
 
@@ -239,9 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         saved = {}
         rows = measure_all(a)
-        command = " ".join(
-            [".venv/bin/python bench/chunked_logprobs.py", *(argv if argv is not None else sys.argv[1:])]
-        )
+        command = shown_command(__file__, argv)
     bench, cal, summary = report(rows, command)
     data = {"rows": [{"case": c.model_dump(), "result": r} for c, r in rows], "summary": summary}
     if a.report_only:  # the run's own record of where and when

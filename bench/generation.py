@@ -31,7 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tests.support.lab.jobs import G  # noqa: E402
-from tests.support.lab.results import Figure, emit, figure  # noqa: E402
+from tests.support.lab.results import Figure, emit, figure, shown_command  # noqa: E402
 from tests.support.lab.stack import MODEL  # noqa: E402
 
 PROMPTS = [f"{a}+{b}=" for a, b in [(3, 4), (12, 9), (7, 21), (25, 3), (18, 18), (0, 29), (11, 14), (6, 6)]]
@@ -178,7 +178,7 @@ def main() -> None:
             for n, xs in one_side(side, a.model, lengths, a.reps).items():
                 rates[side].setdefault(n, []).extend(xs)
             print(f"round {rnd + 1}/{a.rounds}: {side} done", flush=True)
-    cmd = " ".join([".venv/bin/python bench/generation.py", *sys.argv[1:]])
+    cmd = shown_command(__file__)
     data = {"rates": rates}
     emit(report(rates, cmd, a.rounds), a.out, data, figures=figures(data), command=cmd)
 

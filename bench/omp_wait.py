@@ -27,7 +27,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tests.support.lab.results import Figure, emit, figure  # noqa: E402
+from tests.support.lab.results import Figure, emit, figure, shown_command  # noqa: E402
 
 WORKER = r"""
 import json, sys, time, torch
@@ -68,16 +68,12 @@ def run_group(model: Path, procs: int, steps: int, policy: str | None) -> list[f
 
 def figures(res: dict[str, Any]) -> list[Figure]:
     """The headline figures of a results JSON: per number of processes, default / PASSIVE step time."""
-    return [
-        figure(
-            f"tiny-model step time, OpenMP default / PASSIVE ({r['procs']} torch processes at once)",
-            f"{r['default_s'] * 1000:.1f} ms/step",
-            baseline=f"PASSIVE {r['passive_s'] * 1000:.1f} ms/step",
-            ratio=r["ratio"],
-            target=">= 1 (the Makefile's OMP_WAIT_POLICY)",
-        )
-        for r in res["rows"]
-    ]
+    out = []
+    for r in res["rows"]:
+        title = f"tiny-model step time, OpenMP default / PASSIVE ({r['procs']} torch processes at once)"
+        default, passive = f"{r['default_s'] * 1000:.1f} ms/step", f"PASSIVE {r['passive_s'] * 1000:.1f} ms/step"
+        out.append(figure(title, default, passive, r["ratio"], ">= 1 (the Makefile's OMP_WAIT_POLICY)"))
+    return out
 
 
 def main() -> None:
@@ -101,7 +97,7 @@ def main() -> None:
             d, p = statistics.median(got["default"]), statistics.median(got["PASSIVE"])
             rows.append({"procs": n, "default_s": d, "passive_s": p, "ratio": d / p})
             print(f"{n} process(es): default {d * 1000:.1f} ms/step, PASSIVE {p * 1000:.1f} ms/step, {d / p:.2f}x")
-    cmd = " ".join([".venv/bin/python bench/omp_wait.py", *sys.argv[1:]])
+    cmd = shown_command(__file__)
     md = [
         "## OpenMP wait policy: spinning against sleeping threads",
         "",

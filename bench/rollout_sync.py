@@ -43,7 +43,7 @@ from shared.bus import FIELD  # noqa: E402
 from shared.metrics import read_evals, read_points  # noqa: E402
 from shared.policy import read_manifest  # noqa: E402
 from shared.schema import PromptMsg, encode  # noqa: E402
-from tests.support.lab.results import Figure, emit, figure  # noqa: E402
+from tests.support.lab.results import Figure, emit, figure, shown_command  # noqa: E402
 from tests.support.lab.stack import MODEL  # noqa: E402
 from tests.support.rollout import (  # noqa: E402
     add_job,
@@ -234,7 +234,7 @@ def main() -> None:
     ap.add_argument("--eval-chunk", type=int, default=16, help="Held-out prompts per evaluation round.")
     ap.add_argument("--out", type=Path, help="The page (and its .json and .png beside it); default: stdout only.")
     args = ap.parse_args()
-    cmd = " ".join([".venv/bin/python bench/rollout_sync.py", *sys.argv[1:]])
+    cmd = shown_command(__file__)
     versions = lora_versions(args.model, list(range(1, 5)))  # 4 distinct LoRAs, reused round-robin
     results = []
     with tempfile.TemporaryDirectory(prefix="burstrl-bench-sync-") as tmp:

@@ -33,7 +33,7 @@ from shared import keys  # noqa: E402
 from shared.bus import FIELD  # noqa: E402
 from shared.domain.tasks import get_task  # noqa: E402
 from shared.schema import PromptMsg, encode  # noqa: E402
-from tests.support.lab.results import Figure, emit, figure  # noqa: E402
+from tests.support.lab.results import Figure, emit, figure, shown_command, table  # noqa: E402
 from tests.support.lab.stack import MODEL  # noqa: E402
 from tests.support.rollout import add_job, bench_stack, lora_versions, make_worker, publish, started_engine  # noqa: E402
 
@@ -121,30 +121,18 @@ def run_mode(mode: str, args: argparse.Namespace, version: tuple, workdir: Path)
 
 def figures(res: dict[str, Any]) -> list[Figure]:
     """The headline figures of a results JSON: the service's tokens/s over the engine's, per mode."""
-    return [
-        figure(
-            f"rollout service / direct engine tok/s, {r['mode']}",
-            f"{r['service_tok_s']} tok/s",
-            baseline=f"direct {r['direct_tok_s']} tok/s",
-            ratio=r["ratio"],
-            target=">= 0.9",
-        )
-        for r in res["runs"]
-    ]
+    out = []
+    for r in res["runs"]:
+        direct = f"direct {r['direct_tok_s']} tok/s"
+        title = f"rollout service / direct engine tok/s, {r['mode']}"
+        out.append(figure(title, f"{r['service_tok_s']} tok/s", direct, r["ratio"], ">= 0.9"))
+    return out
 
 
 def report(res: dict[str, Any], cmd: str) -> str:
-    lines = [
-        "## Rollout service vs the engine called directly",
-        "",
-        f"`{cmd}`",
-        "",
-        "| engine mode | direct tok/s | service tok/s | service / direct |",
-        "|---|---|---|---|",
-    ]
-    lines += [
-        f"| {r['mode']} | {r['direct_tok_s']} | {r['service_tok_s']} | **{r['ratio']:.2f}** |" for r in res["runs"]
-    ]
+    rows = [(r["mode"], r["direct_tok_s"], r["service_tok_s"], f"**{r['ratio']:.2f}**") for r in res["runs"]]
+    columns = ["engine mode", "direct tok/s", "service tok/s", "service / direct"]
+    lines = ["## Rollout service vs the engine called directly", "", f"`{cmd}`", "", *table(columns, rows)]
     return "\n".join(lines) + "\n"
 
 
@@ -160,7 +148,7 @@ def main() -> None:
     ap.add_argument("--model", default=str(MODEL))
     ap.add_argument("--out", type=Path, help="The page (and its .json beside it); default: stdout only.")
     args = ap.parse_args()
-    cmd = " ".join([".venv/bin/python bench/rollout_throughput.py", *sys.argv[1:]])
+    cmd = shown_command(__file__)
     version = lora_versions(args.model, [1])[0]
     results = []
     with tempfile.TemporaryDirectory(prefix="burstrl-bench-tput-") as tmp:

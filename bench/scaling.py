@@ -28,7 +28,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tests.support.lab.jobs import DEMO_SHAPE  # noqa: E402
-from tests.support.lab.results import Figure, emit, figure  # noqa: E402
+from tests.support.lab.results import Figure, emit, figure, shown_command  # noqa: E402
 from tests.support.lab.stack import MODEL, Stack, run_job  # noqa: E402
 from tests.support.lab.stages import stages_alone  # noqa: E402
 
@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--model", default=str(MODEL))
     ap.add_argument("--out", type=Path, default=None, help="Markdown here; .json beside it.")
     a = ap.parse_args()
-    cmd = " ".join([".venv/bin/python bench/scaling.py", *sys.argv[1:]])
+    cmd = shown_command(__file__)
     res: dict[int, dict[str, list[float]]] = {1: {"alone": [], "e2e": []}, 2: {"alone": [], "e2e": []}}
     share: list[dict[str, int]] = []
     with tempfile.TemporaryDirectory(prefix="burstrl-scale-") as tmp, Stack(Path(tmp), a.model, rollouts=2) as st:

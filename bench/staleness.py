@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tests.support.lab.jobs import DEMO_SHAPE  # noqa: E402
 from tests.support.lab.plots import accuracy_curves  # noqa: E402
-from tests.support.lab.results import Figure, emit, figure  # noqa: E402
+from tests.support.lab.results import Figure, emit, figure, shown_command  # noqa: E402
 from tests.support.lab.stack import MODEL, Stack, run_job  # noqa: E402
 
 
@@ -46,15 +46,11 @@ def figures(res: dict[str, Any]) -> list[Figure]:
     """The headline figures of a results JSON: each setting's speed-up over the first (wall
     seconds from submission to the last step, medians over rounds)."""
     walls = {int(s): statistics.median(r["wall_s"] for r in rs) for s, rs in res["runs"].items()}
-    first = res["settings"][0]
+    first, *rest = res["settings"]
+    base = f"{walls[first]:.1f} s at max_staleness {first}"
     return [
-        figure(
-            f"speed-up max_staleness {s} vs {first}",
-            f"{walls[s]:.1f} s",
-            baseline=f"{walls[first]:.1f} s at max_staleness {first}",
-            ratio=walls[first] / walls[s],
-        )
-        for s in res["settings"][1:]
+        figure(f"speed-up max_staleness {s} vs {first}", f"{walls[s]:.1f} s", base, walls[first] / walls[s])
+        for s in rest
     ]
 
 
@@ -71,7 +67,7 @@ def main() -> None:
     ap.add_argument("--model", default=str(MODEL))
     ap.add_argument("--out", type=Path, default=None, help="Markdown here; .json and .png beside it.")
     a = ap.parse_args()
-    cmd = " ".join([".venv/bin/python bench/staleness.py", *sys.argv[1:]])
+    cmd = shown_command(__file__)
     settings = [int(x) for x in a.staleness.split(",")]
     runs: dict[int, list[dict[str, Any]]] = {s: [] for s in settings}
     with tempfile.TemporaryDirectory(prefix="burstrl-stale-") as tmp, Stack(Path(tmp), a.model) as stack:

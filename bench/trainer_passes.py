@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tests.support.lab.heldout import WORKLOADS, ensure_model  # noqa: E402
 from tests.support.lab.jobs import BATCH, G  # noqa: E402
-from tests.support.lab.results import Figure, emit, figure  # noqa: E402
+from tests.support.lab.results import Figure, emit, figure, shown_command  # noqa: E402
 
 
 def sample_batch(model_dir: str, task_name: str, max_tokens: int) -> list:  # noqa: ANN001
@@ -86,12 +86,13 @@ def figures(res: dict[str, Any]) -> list[Figure]:
     med = {int(b): statistics.median(ts) for b, ts in res["times"].items()}
     first, *rest = res["budgets"]
     against = "one padded pass" if first == 0 else f"micro_batch_tokens {first}"
+    task, base = res["task"], f"{med[first]:.3f} s/step"
     return [
         figure(
-            f"trainer step, micro_batch_tokens {b} vs {against} ({res['task']}), speed",
+            f"trainer step, micro_batch_tokens {b} vs {against} ({task}), speed",
             f"{med[b]:.3f} s/step",
-            baseline=f"{med[first]:.3f} s/step",
-            ratio=med[first] / med[b],
+            base,
+            med[first] / med[b],
         )
         for b in rest
     ]
@@ -129,7 +130,7 @@ def main() -> None:
             learner.train_batch(groups)
             if rnd:
                 times[b].append(time.perf_counter() - t)
-    cmd = " ".join([".venv/bin/python bench/trainer_passes.py", *sys.argv[1:]])
+    cmd = shown_command(__file__)
     lines = [
         "## Trainer step: one padded pass vs length-sorted micro-batches",
         "",

@@ -44,7 +44,7 @@ from services.plan.billable import time_to  # noqa: E402
 from tests.support.lab.heldout import EVAL_K, EVAL_N, WORKLOADS, ensure_model, evaluate_versions  # noqa: E402
 from tests.support.lab.jobs import BATCH, KL, G  # noqa: E402
 from tests.support.lab.plots import accuracy_curves  # noqa: E402
-from tests.support.lab.results import Figure, emit, figure  # noqa: E402
+from tests.support.lab.results import Figure, emit, figure, shown_command  # noqa: E402
 from tests.support.lab.stack import Stack, run_job  # noqa: E402
 from tests.support.lab.trl import trl_subprocess  # noqa: E402
 
@@ -256,7 +256,7 @@ def main() -> None:
         settings = [int(x) for x in a.staleness.split(",")]
     except ValueError:
         ap.error(f"--staleness takes comma-separated integers, got {a.staleness!r}")
-    cmd = " ".join([".venv/bin/python bench/trl_compare.py", *sys.argv[1:]])
+    cmd = shown_command(__file__)
     results: list[dict[str, Any]] = []
     notes: list[str] = []
     trl_modes = ["colocate", "hf"] if a.trl_mode == "auto" else [a.trl_mode]

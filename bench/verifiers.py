@@ -20,7 +20,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from shared.domain.sandbox import check_isolation, settings  # noqa: E402
 from shared.domain.verifiers import get_verifier  # noqa: E402
-from tests.support.lab.results import Figure, emit, figure  # noqa: E402
+from tests.support.lab.results import Figure, emit, figure, shown_command, table  # noqa: E402
 
 MATH = [
     ("\\boxed{\\frac{2}{4}}", "\\frac12"),
@@ -77,37 +77,24 @@ def figures(res: dict[str, Any]) -> list[Figure]:
     """The headline figures of a results JSON: math completions/s, and the sandbox's time per code
     completion against an unsandboxed subprocess's (when the sandbox could run)."""
     out = [figure("math verifier (math-verify, 1 process)", f"{res['math_per_s']:.1f} completions/s")]
-    if res.get("code_per_s"):
-        out.append(
-            figure(
-                f"code verifier, time per completion sandboxed / unsandboxed subprocess ({res['parallel']} at once)",
-                f"{res['code_per_s']:.1f} completions/s",
-                baseline=f"unsandboxed {res['baseline_per_s']:.1f} completions/s",
-                ratio=res["baseline_per_s"] / res["code_per_s"],
-            )
-        )
+    if code := res.get("code_per_s"):
+        title = f"code verifier, time per completion sandboxed / unsandboxed subprocess ({res['parallel']} at once)"
+        base = res["baseline_per_s"]
+        out.append(figure(title, f"{code:.1f} completions/s", f"unsandboxed {base:.1f} completions/s", base / code))
     return out
 
 
 def report(res: dict[str, Any], cmd: str) -> str:
-    lines = [
-        "## Verifier throughput",
-        "",
-        f"`{cmd}`",
-        "",
-        "| verifier | completions/s |",
-        "|---|---|",
-        f"| math (math-verify, 1 process) | {res['math_per_s']:.1f} |",
-    ]
+    rows = [("math (math-verify, 1 process)", f"{res['math_per_s']:.1f}")]
     if res.get("code_per_s"):
-        lines += [
-            f"| code (sandboxed, {res['parallel']} at once, 4 tests) | {res['code_per_s']:.1f} |",
-            f"| code (unsandboxed subprocess baseline) | {res['baseline_per_s']:.1f} |",
-            "",
-            f"Sandbox cost: **{res['baseline_per_s'] / res['code_per_s']:.2f}x** the baseline's time per completion.",
+        rows += [
+            (f"code (sandboxed, {res['parallel']} at once, 4 tests)", f"{res['code_per_s']:.1f}"),
+            ("code (unsandboxed subprocess baseline)", f"{res['baseline_per_s']:.1f}"),
         ]
+        cost = f"Sandbox cost: **{res['baseline_per_s'] / res['code_per_s']:.2f}x** the baseline's time per completion."
     else:
-        lines += ["", f"Code: skipped, sandbox unavailable: {res['code_skipped']}"]
+        cost = f"Code: skipped, sandbox unavailable: {res['code_skipped']}"
+    lines = ["## Verifier throughput", "", f"`{cmd}`", "", *table(["verifier", "completions/s"], rows), "", cost]
     return "\n".join(lines) + "\n"
 
 
@@ -118,7 +105,7 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=2, help="concurrent sandboxes (keep <= cores)")
     ap.add_argument("--out", type=Path, default=None, help="The page (and its .json beside it); default: stdout only.")
     a = ap.parse_args()
-    cmd = " ".join([".venv/bin/python bench/verifiers.py", *sys.argv[1:]])
+    cmd = shown_command(__file__)
     res: dict[str, Any] = {"n_math": a.n_math, "n_code": a.n_code, "parallel": a.parallel}
     res["math_per_s"] = bench_math(a.n_math)
     ok, why = check_isolation()

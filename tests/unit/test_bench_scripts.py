@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from tests.support import ROOT
-from tests.support.lab.results import RESULTS, figure, write_json
+from tests.support.lab.results import RESULTS, figure, shown_command, write_json
 
 SCRIPTS = sorted(p.stem for p in (ROOT / "bench").glob("*.py"))
 
@@ -179,10 +179,10 @@ def test_burst_pair_reading_reads_dynamic_sampling_against_the_same_job_without_
 def test_burst_command_shown_on_the_page_runs_as_shown():
     """An empty argument stays one (a run with `--lags ''` once showed `--lags  --rounds 3`, which
     argparse refuses), so the shown command both reruns and rebuilds the page."""
-    from bench.burst import parser, settings, shown_command
+    from bench.burst import parser, settings
 
     argv = ["--setups", "windowed,m2po_limit", "--lags", "", "--rounds", "3", "--cycle-s", "300"]
-    shown = shown_command(argv)
+    shown = shown_command(str(ROOT / "bench" / "burst.py"), argv)
     assert shown.startswith(".venv/bin/python bench/burst.py ")
     again = settings(parser(), shlex.split(shown)[2:])
     assert (again.lags, again.rounds, again.cycle_s, again.setup_list) == ("", 3, 300.0, ["windowed", "m2po_limit"])

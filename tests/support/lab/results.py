@@ -15,7 +15,10 @@ import datetime as dt
 import json
 import os
 import platform
+import shlex
 import subprocess
+import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +49,7 @@ class HeadlineRow(Figure):
 
 
 def figure(
-    name: str, value: str, *, baseline: str | None = None, ratio: float | None = None, target: str | None = None
+    name: str, value: str, baseline: str | None = None, ratio: float | None = None, target: str | None = None
 ) -> Figure:
     """A headline figure; a ratio that is not a finite number (never reached, nothing measured) is None."""
     finite = ratio is not None and ratio == ratio and abs(ratio) != float("inf")
@@ -57,6 +60,18 @@ def figure(
         "ratio": round(ratio, 4) if finite else None,
         "target": target,
     }
+
+
+def shown_command(script: str, argv: list[str] | None = None) -> str:
+    """How a page shows the command that made it: `.venv/bin/python bench/<name>.py` and its arguments
+    (this process's by default), quoted, so that an empty argument survives a copy and paste."""
+    return shlex.join([".venv/bin/python", str(repo_path(Path(script))), *(sys.argv[1:] if argv is None else argv)])
+
+
+def table(columns: list[str], rows: Iterable[Iterable[object]]) -> list[str]:
+    """A Markdown table's lines: the header, its rule, a line per row."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
 
 def headline_rows(figures: list[Figure], command: str, page: Path) -> list[HeadlineRow]:
