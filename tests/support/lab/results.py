@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import os
 import platform
 import shlex
@@ -52,7 +53,7 @@ def figure(
     name: str, value: str, baseline: str | None = None, ratio: float | None = None, target: str | None = None
 ) -> Figure:
     """A headline figure; a ratio that is not a finite number (never reached, nothing measured) is None."""
-    finite = ratio is not None and ratio == ratio and abs(ratio) != float("inf")
+    finite = ratio is not None and math.isfinite(ratio)
     return {
         "figure": name,
         "value": value,
@@ -87,9 +88,8 @@ def emit(
     command: str = "",
 ) -> None:
     """Print `text`; with `out`, also write it there (folders made) and, when `data` is given, the
-    results to the same name with .json: `data` plus `command`, `machine` (unless `data` has one)
-    and `date` (unless `data` has them) and the `figures` as headline rows (values JSON cannot take are
-    written as their str)."""
+    results to the same name with .json: `data` plus `command`, `machine` and `date` (unless `data` has
+    its own) and the `figures` as headline rows (values JSON cannot take are written as their str)."""
     print(text)
     if not out:
         return
