@@ -127,6 +127,7 @@ BUILTIN_SHAPES: dict[str, ModelShape] = {
         _qwen2("Qwen2.5-3B", 36, 2048, 16, 2, 11008, 151936, True),
         _qwen2("Qwen2.5-7B", 28, 3584, 28, 4, 18944, 152064, False),
         _qwen2("Qwen2.5-14B", 48, 5120, 40, 8, 13824, 152064, False),
+        _qwen2("Qwen2.5-32B", 64, 5120, 40, 8, 27648, 152064, False),
         ModelShape(
             name="Qwen3-0.6B",
             num_layers=28,

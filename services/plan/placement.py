@@ -38,6 +38,10 @@ from services.plan.roles import EFFICIENT_TOKENS, Efficiency, RolePlan, plan_ref
 
 Placement = Literal["disaggregated", "colocated"]
 Objective = Literal["cost", "time"]
+# A colocated k-card trainer shards (FSDP) only if that makes the step this much faster, or if
+# only sharded does everything fit: the time model is good to about ±50%, and one process per
+# card without all-gathers is the simpler thing to run.
+SHARD_GAIN = 0.05
 # Where each number comes from (report.py prints it; --json carries it).
 PROVENANCE = {
     "trainer memory": "calibrated: tensor bytes within ±5% of measured CPU steps (bench/results/plan_calibration.md); "
@@ -184,10 +188,39 @@ def _colocated(
     weights: str | None,
     eff: Efficiency,
 ) -> Plan:
+    """All roles on k cards of one type. On k > 1 cards the trainer either replicates (DDP, no
+    all-gathers) or shards (FSDP): a replicated trainer's resident weights and states leave vLLM
+    and the ref what one card minus a whole model copy holds, so a model that fits DDP alone
+    may leave them nothing (Qwen2.5-32B LoRA on 4x H100). The replicated plan is kept when it
+    fits and the sharded one is not clearly (SHARD_GAIN) faster."""
+    replicated = _colocated_with(shape, method, w, card, k, ref, weights, eff, shard=False)
+    if k == 1:
+        return replicated
+    sharded = _colocated_with(shape, method, w, card, k, ref, weights, eff, shard=True)
+    if not sharded.fits:
+        return replicated
+    if replicated.fits and replicated.step_time_s * (1 - SHARD_GAIN) <= sharded.step_time_s:
+        return replicated
+    return sharded
+
+
+def _colocated_with(
+    shape: ModelShape,
+    method: Method,
+    w: Workload,
+    card: Card,
+    k: int,
+    ref: bool,
+    weights: str | None,
+    eff: Efficiency,
+    shard: bool,
+) -> Plan:
     # vLLM sleep mode: during training vLLM keeps only its context; weights go to host RAM, KV is dropped.
     sleeping = ServeSettings().overhead_gb * GB
     ref_weights = serve_weight_bytes(shape, card.serve_dtype) if ref and method.kind == "full" else 0.0
-    trainer = plan_trainer(shape, method, w, card, k, eff, extra_static=sleeping, shardable_static=ref_weights)
+    trainer = plan_trainer(
+        shape, method, w, card, k, eff, extra_static=sleeping, shardable_static=ref_weights, shard=shard
+    )
     chosen = trainer._settings
     assert chosen is not None
     static = sum(trainer_memory(shape, method, w, chosen).components.values())

@@ -71,21 +71,28 @@ class RolePlan(BaseModel):
     _settings: TrainerKnobs | None = PrivateAttr(default=None)  # the planner's own knobs (trainer)
 
 
-def _ladder(method: Method, card: Card, k: int) -> list[TrainerKnobs]:
-    """Trainer settings from fastest to leanest; each rung adds the next-cheapest memory saver.
+def _ladder(method: Method, card: Card, k: int, shard: bool = False) -> list[TrainerKnobs]:
+    """Trainer settings from fastest to leanest, each rung adding a memory saver.
 
-    On k > 1 cards the first rungs are data-parallel (every card holds the whole model); FSDP
-    sharding over the k cards is a rung of its own, so a plan shards only when it says so.
+    Unsharded (`shard` False), a k-card trainer is data-parallel (every card holds the whole
+    model) below its FSDP rung, so a plan shards only when it says so. `shard` True: every rung
+    is FSDP over the k cards, for a colocated plan, whose trainer keeps its weights and states
+    resident while vLLM serves (replicas of them would take k - 1 model copies from rollout).
+    bitsandbytes' savers (8-bit AdamW, a 4-bit base) are never combined with FSDP or CPU
+    offload: the trainer refuses those pairs at start-up (services/trainer/quant.py).
     """
-    base = TrainerKnobs(dtype=card.train_dtype)  # type: ignore[arg-type]
-    rungs: list[dict[str, object]] = [{}, {"logits_chunk": LOGITS_CHUNK}, {"gradient_checkpointing": True}]
-    if k > 1:
-        rungs.append({"fsdp_shards": k})
-    rungs += [{"optimizer": "adamw8bit"}, {"cpu_offload": True}] if method.kind == "full" else [{"base_bits": 4}]
-    out, acc = [], {}
-    for rung in rungs:
-        acc |= rung
-        out.append(base.model_copy(update=acc))
+    full = method.kind == "full"
+    base = TrainerKnobs(dtype=card.train_dtype, fsdp_shards=k if shard else 1)  # type: ignore[arg-type]
+    chunked = base.model_copy(update={"logits_chunk": LOGITS_CHUNK})
+    ckpt = chunked.model_copy(update={"gradient_checkpointing": True})
+    sharded = ckpt.model_copy(update={"fsdp_shards": k})
+    out = [base, chunked, ckpt]
+    if k > 1 and not shard:
+        out.append(sharded)
+    if not shard:
+        out.append(ckpt.model_copy(update={"optimizer": "adamw8bit"} if full else {"base_bits": 4}))
+    if full:
+        out.append(sharded.model_copy(update={"cpu_offload": True}))
     return out
 
 
@@ -130,9 +137,11 @@ def plan_trainer(
     eff: Efficiency,
     extra_static: float = 0.0,
     shardable_static: float = 0.0,
+    shard: bool = False,
 ) -> RolePlan:
     """Fastest settings that fit on k cards. `extra_static` is memory other roles pin on each
-    card; `shardable_static` is memory (a frozen ref copy) that FSDP would split over k cards."""
+    card; `shardable_static` is memory (a frozen ref copy) that FSDP would split over k cards;
+    `shard`: FSDP over the k cards on every rung (see `_ladder`)."""
     cap = math.ceil(w.sequences / k)
     want = min(cap, math.ceil(EFFICIENT_TOKENS / w.seq_len))
 
@@ -142,7 +151,7 @@ def plan_trainer(
     def peak(s: TrainerKnobs, m: int) -> float:
         return trainer_memory(shape, method, w, s.model_copy(update={"micro_batch": m})).peak_bytes
 
-    ladder = _ladder(method, card, k)
+    ladder = _ladder(method, card, k, shard)
     best: tuple[TrainerKnobs, int] | None = None
     for s in ladder:
         m = largest_micro_batch(lambda m, s=s: peak(s, m) <= budget(s), cap)
@@ -151,7 +160,8 @@ def plan_trainer(
             break
         if m >= 1 and best is None:
             best = (s, m)
-    lean = ladder[-1].model_copy(update={"micro_batch": 1})
+    # The leanest rung: least memory short of its budget (the savers' order is not the same on every card count).
+    lean = min(ladder, key=lambda s: peak(s, 1) - budget(s)).model_copy(update={"micro_batch": 1})
     min_peak = peak(lean, 1)
     # Past ~EFFICIENT_TOKENS per micro-batch speed barely improves, so leave the memory free
     # (for vLLM when colocated, for a ref beside the trainer otherwise).

@@ -34,10 +34,12 @@ from pathlib import Path
 
 from services.rollout.engine import Adapter, Engine
 from services.rollout.errors import (
+    LORA_HELP,
     AdapterError,
     EngineUnavailable,
     ManifestError,
     ProbeMismatch,
+    RequestFailed,
     UnsupportedVersion,
     VersionRefused,
     refusal_kind,
@@ -343,12 +345,35 @@ class Adopter:
 
     # -- verdicts --------------------------------------------------------------------
     def _probe(self, manifest: Manifest, adapter: Adapter | None) -> float | None:
+        """The probe's mean difference; a refusal under an adapter says whether the engine's LoRA
+        path is what failed (the base model answering where the adapter does not, or the adapter
+        changing nothing): no LoRA kernel is verified on every card (gfx906: deploy/README.md)."""
         if not manifest.probe:
             if self.s.require_probe:
                 raise ProbeMismatch("manifest has no log-prob probe (BURSTRL_ROLLOUT_REQUIRE_PROBE=1)")
             return None
-        got = self.engine.prompt_logprobs(list(manifest.probe["token_ids"]), adapter)
-        return check_probe(manifest.probe, got, self.probe_tolerance)
+        ids = list(manifest.probe["token_ids"])
+        try:
+            got = self.engine.prompt_logprobs(ids, adapter)
+        except RequestFailed as e:
+            if adapter is None or self._base_logprobs(ids) is None:
+                raise
+            why = "the engine answers the same probe under the base model: the adapter, or its LoRA path, fails here"
+            raise type(e)(f"{e}; {why}; {LORA_HELP}", e.index) from e
+        try:
+            return check_probe(manifest.probe, got, self.probe_tolerance)
+        except ProbeMismatch as e:
+            base = self._base_logprobs(ids) if adapter is not None else None
+            if base is None or not (why := _unapplied(manifest.probe["logprobs"], got, base, self.probe_tolerance)):
+                raise
+            raise ProbeMismatch(f"{e}; {why}; {LORA_HELP}") from e
+
+    def _base_logprobs(self, ids: list[int]) -> list[float] | None:
+        """The probe's log-probs under the base model, or None if the engine refuses that too."""
+        try:
+            return self.engine.prompt_logprobs(ids, None)
+        except RequestFailed:
+            return None
 
     def _adopted(self, view: ServedJob, manifest: Manifest, worst: float | None) -> None:
         view.refused = {k: x for k, x in view.refused.items() if k > manifest.version}  # out of reach now
@@ -370,3 +395,18 @@ class Adopter:
         if job_id in self.jobs:
             self.jobs[job_id].blocked = ""
         self.reporter.job_accepted(job_id)
+
+
+def _unapplied(want: list[float], got: list[float], base: list[float], tolerance: float) -> str:
+    """Why a probe under an adapter failed, when the engine's log-probs are the base model's
+    while the trainer's are not: the engine did not apply the adapter ("" otherwise)."""
+    if not len(want) == len(got) == len(base):
+        return ""
+    moved = sum(abs(g - b) for g, b in zip(got, base, strict=True)) / len(base)
+    wanted = sum(abs(w - b) for w, b in zip(want, base, strict=True)) / len(base)
+    if moved > tolerance / 10 or wanted <= tolerance:
+        return ""
+    return (
+        f"under the adapter the engine's log-probs are the base model's (mean gap {moved:.2g}) while the trainer's "
+        f"differ from them by {wanted:.2g}: the engine did not apply the adapter"
+    )

@@ -33,7 +33,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from services.rollout.errors import AdapterError, EngineRequestRefused, EngineUnavailable, MissingLogprob, RequestFailed
+from services.rollout.errors import (
+    LORA_HELP,
+    AdapterError,
+    EngineRequestRefused,
+    EngineUnavailable,
+    MissingLogprob,
+    RequestFailed,
+)
 from shared.engines.openai_client import OpenAIClient
 from shared.engines.vllm_setup import engine_dead, prepare_cpu_engine_env, shut_down, warm_up
 
@@ -422,7 +429,13 @@ class RemoteEngine(OpenAIClient):
                 raise EngineUnavailable(
                     "remote engine has no /v1/load_lora_adapter: set VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
                 )
-            raise AdapterError(f"remote engine refused adapter {name}: HTTP {resp.status_code}: {resp.text[:300]}")
+            text = resp.text[:300]
+            if "lora is not enabled" in text.lower():  # vLLM: "LoRA is not enabled. Use --enable-lora to enable LoRA."
+                raise AdapterError(
+                    f"remote engine {self.url} serves without LoRA (HTTP {resp.status_code}: {text}): start it with "
+                    f"--enable-lora and --max-lora-rank >= the job's lora_rank; {LORA_HELP}"
+                )
+            raise AdapterError(f"remote engine refused adapter {name}: HTTP {resp.status_code}: {text}; {LORA_HELP}")
         return adapter
 
     def unload(self, adapter: Adapter) -> None:

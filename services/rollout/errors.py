@@ -27,6 +27,7 @@ from shared.policy import DeposedWrite, ManifestError, ProbeMismatch
 from shared.store import StoreError, VerificationError
 
 __all__ = [
+    "LORA_HELP",
     "AdapterError",
     "DeposedWrite",
     "EngineRequestRefused",
@@ -40,6 +41,10 @@ __all__ = [
     "VersionRefused",
     "refusal_kind",
 ]
+
+
+# What a refusal says when an engine cannot run LoRA adapters (none is verified on gfx906 cards).
+LORA_HELP = "see deploy/README.md, 'When adapters fail on your cards'"
 
 
 class EngineUnavailable(RuntimeError):

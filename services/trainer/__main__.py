@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     from services.trainer.sharding import ShardingError, check_sharding, resolve_device
     from shared.lease import LeaseKeeper, LeaseLost
 
-    skip_unused_bitsandbytes(settings)  # before peft and transformers: 1 s of every start (quant.py)
+    # Before peft and transformers: 1 s of every start, or one irrelevant notice (quant.py).
+    skip_unused_bitsandbytes(settings)
     if settings.threads:
         torch.set_num_threads(settings.threads)
     comm = Comm.from_env()

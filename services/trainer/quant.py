@@ -18,6 +18,7 @@ what to use instead (`check_savers`), never a silent fallback to the 16-bit path
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -126,12 +127,37 @@ def skip_unused_bitsandbytes(settings: TrainerSettings) -> bool:
     a "kernels" warning), paid in every burst and every restart (bench/results/trainer_startup.md). A
     None entry in sys.modules makes `import bitsandbytes` raise ImportError, Python's documented
     way to block an import, and both libraries then read bitsandbytes as absent, which it is for
-    this process: only optimizer=adamw8bit and base_bits=4 use it. Call before peft or transformers
-    is imported; once it is imported (a test process, say) nothing changes."""
+    this process: only optimizer=adamw8bit and base_bits=4 use it. A trainer that keeps it gets
+    its one irrelevant start-up notice filtered (`quiet_kernel_hub_notice`). Call before peft or
+    transformers is imported; once it is imported (a test process, say) nothing changes."""
     if settings.optimizer == "adamw8bit" or settings.base_bits == 4 or "bitsandbytes" in sys.modules:
+        quiet_kernel_hub_notice()
         return False
     sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
     return True
+
+
+# bitsandbytes' CPU backend (bitsandbytes/backends/cpu/ops.py) logs this at import on every CPU with
+# AVX512-BF16 unless the `kernels` package can fetch a compiled kernel from the Hugging Face Hub.
+KERNEL_HUB_NOTICE = "Failed to load CPU gemm_4bit_forward from kernels-community"
+
+
+class _KernelHubNoticeFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(KERNEL_HUB_NOTICE)
+
+
+def quiet_kernel_hub_notice() -> None:
+    """Drop bitsandbytes' kernel-hub notice, and only it, from this process's log.
+
+    The hub kernel would only speed up bitsandbytes' no-grad 4-bit CPU inference path, whose
+    repacked layout the trainer turns off on every Linear4bit (`keep_trainable_layout`); 8-bit
+    AdamW never calls it. Installing `kernels` would mean running code fetched from the Hub at
+    start-up, which no service here does. So the warning says nothing about this trainer, on
+    every start: a filter on that one logger and message, set before the import logs it."""
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    if not any(isinstance(f, _KernelHubNoticeFilter) for f in logger.filters):
+        logger.addFilter(_KernelHubNoticeFilter())
 
 
 def check_base_bits(base_bits: int, finetune: str) -> None:

@@ -25,7 +25,7 @@ from services.plan.memory import (
     trainer_memory,
 )
 from services.plan.model_shape import find_cached_config, resolve_shape
-from services.plan.placement import LayoutOptions, plan
+from services.plan.placement import LayoutOptions, candidates, plan
 from tests.support.calibration import calibrate
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,6 +40,7 @@ W = Workload(prompt_len=512, completion_len=1024, group_size=8, batch=32)
         ("Qwen/Qwen2.5-1.5B-Instruct", 1.544),
         ("Qwen2.5-7B", 7.616),
         ("Llama-3.1-8B", 8.030),
+        ("Qwen/Qwen2.5-32B", 32.764),
     ],
 )
 def test_builtin_param_counts_match_published(name: str, billions: float) -> None:
@@ -165,6 +166,31 @@ def test_plan_places_roles_and_reports_what_does_not_fit() -> None:
     assert dis.fits and dis.roles[0].card == "h200" and dis.step_time_s > 0
     big = plan(resolve_shape("Qwen2.5-7B"), Method(kind="full"), W, [(cat.get("rtx4070"), 1)])
     assert not big.fits and big.roles[0].min_peak_gb > 12
+
+
+def test_colocated_on_n_cards_shards_the_trainer_and_gives_rollout_and_ref_their_share() -> None:
+    """Issue 44, item 8: Qwen2.5-32B LoRA colocated on 4x H100 did not fit, because the trainer
+    replicated the whole model on every card (DDP) and left rollout 5.9 GB. verl's tested table
+    runs exactly this: docs/perf/device_tuning.rst in volcengine/verl, section 32B, "MIN |
+    Qwen2.5-32B | GRPO-LoRA | 4*H100 | fsdp | vllm0.8.3" (examples/tuning/32b/
+    qwen2-32b_grpo-lora_4_h100_fsdp_vllm.sh: 512 prompt + 1024 response tokens, LoRA rank 32)."""
+    h100, shape = Catalog().get("h100"), resolve_shape("Qwen/Qwen2.5-32B")
+    layouts = candidates(shape, Method(rank=32), W, [(h100, 4)], LayoutOptions(placement="colocated"))
+    four = next(p for p in layouts if p.roles[0].count == 4)
+    trainer, rollout, ref = four.roles
+    assert four.fits and trainer.fits and rollout.fits and ref.fits
+    assert trainer.recommended["sharding"] == "fsdp" and trainer.layout["processes"] == 4
+    # Every card runs every role: vLLM replicas over all four, one ref per trainer process.
+    assert rollout.count == ref.count == 4
+    assert rollout.layout["replicas"] * rollout.recommended["tensor_parallel_size"] == 4
+    # A quarter of the trainer's 65 GB of weights stays on each card while vLLM serves (a
+    # replicated trainer kept all of it there): rollout and ref get more than half of every card.
+    assert rollout.capacity_gb == ref.capacity_gb > h100.memory_gb / 2
+    assert rollout.micro_batch >= W.group_size and rollout.peak_gb <= rollout.capacity_gb
+    # Cards one model copy fills are still sharded on fewer of them; none fits on one.
+    by_k = {p.roles[0].count: p for p in layouts}
+    assert all(by_k[k].fits and by_k[k].roles[0].recommended["sharding"] == "fsdp" for k in (2, 3))
+    assert not by_k[1].fits
 
 
 def test_cli_json_and_errors(capsys: pytest.CaptureFixture[str]) -> None:

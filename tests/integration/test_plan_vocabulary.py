@@ -17,6 +17,7 @@ from services.plan.model_shape import resolve_shape
 from services.plan.placement import candidates
 from services.ref.settings import RefSettings
 from services.rollout.settings import RolloutSettings
+from services.trainer.quant import check_savers
 from services.trainer.settings import TrainerSettings
 
 SETTINGS = {"trainer": TrainerSettings, "rollout": RolloutSettings, "ref": RefSettings}
@@ -63,6 +64,31 @@ def test_every_emitted_key_is_a_service_setting_that_validates(
     assert {"base_bits", "cpu_offload", "sharding", "dtype"} <= seen["trainer"]
     assert set(vocabulary.ENGINE_KEYS) <= seen["rollout"]
     assert {"max_batch_tokens", "logits_chunk"} <= seen["ref"]
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_every_trainer_plan_combines_only_savers_the_trainer_accepts(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 44, item 8: the leanest rung stacked every saver, so a k-card LoRA plan's min settings
+    said sharding=fsdp with base_bits=4 and a full fine-tune's said cpu_offload with adamw8bit:
+    pairs the trainer refuses at start-up (services/trainer/quant.check_savers)."""
+    for var in [v for v in __import__("os").environ if v.startswith("BURSTRL_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("BURSTRL_DEV", "1")
+    cat, method = Catalog(), Method(kind=kind)  # type: ignore[arg-type]
+    sharded = 0
+    for model in ["Qwen2.5-0.5B", "Qwen2.5-7B", "Qwen2.5-32B"]:
+        for specs in [*CARD_SETS, ["h100:4"], ["rtx4070:2"]]:
+            cards = [parse_card_spec(s, cat) for s in specs]
+            for layout in candidates(resolve_shape(model), method, W, cards):
+                for settings in (layout.roles[0].recommended, layout.roles[0].min_settings):
+                    with monkeypatch.context() as mp:
+                        built = build("trainer", settings, mp)
+                    if built.sharding == "fsdp" or built.cpu_offload:
+                        sharded += 1
+                        check_savers(built, "cpu")  # bitsandbytes' savers are off here: no probe runs
+    assert sharded > 0
 
 
 def test_emit_env_prints_each_roles_environment(capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,20 +17,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
 
 from services.rollout.engine import Engine, SamplingConfig
 from services.rollout.errors import AdapterError, EngineRequestRefused
-from services.rollout.settings import RolloutSettings
-from services.rollout.worker import RolloutWorker
 from shared import keys
 from shared.bus import FIELD
 from shared.job import load_job
 from shared.metrics import read_points
 from shared.policy import check_probe
 from shared.schema import GroupMsg, PromptMsg, decode, encode, unpack_f32, unpack_i32
-from shared.service import ServiceRuntime
-from shared.store import FileStore
 from tests.support.rollout import (
     add_job,
     corrupt,
@@ -40,6 +35,7 @@ from tests.support.rollout import (
     publish,
     republish,
     rollout_service,
+    rollout_worker,
     started_engine,
 )
 
@@ -50,21 +46,6 @@ pytestmark = pytest.mark.slow
 def versions(tiny_model: Path) -> dict[str, tuple[dict[str, bytes], dict]]:
     """Three different random LoRAs of the tiny model with their probes (computed once)."""
     return {name: lora_version(str(tiny_model), seed) for name, seed in (("a", 1), ("b", 2), ("c", 3))}
-
-
-def _worker(engine: Engine, tiny_model: Path, tmp: Path, redis_url: str, **settings: object):  # noqa: ANN202
-    s = RolloutSettings(
-        model=str(tiny_model),
-        redis_url=redis_url,
-        store_url=f"file://{tmp / 'store'}",
-        dev=True,
-        data_dir=tmp,
-        **settings,
-    )
-    rt = ServiceRuntime("rollout", s)
-    rt.health.set("engine", True)
-    store = FileStore(tmp / "store")
-    return RolloutWorker(rt, s, engine, store), store, TestClient(rt.app)
 
 
 def _generation_checks(engine: Engine, tiny_model: Path, tmp: Path, versions: dict) -> None:
@@ -109,7 +90,7 @@ def _generation_checks(engine: Engine, tiny_model: Path, tmp: Path, versions: di
 
 
 def _adoption_checks(engine: Engine, tiny_model: Path, tmp: Path, redis_url: str, r, versions: dict) -> None:  # noqa: ANN001
-    worker, store, http = _worker(engine, tiny_model, tmp, redis_url)
+    worker, store, http = rollout_worker(engine, tiny_model, tmp, redis_url)
     job = add_job(r, str(tiny_model), group_size=2, max_staleness=1, eval_size=0)
 
     publish(store, r, job.id, 1, *versions["a"])
@@ -169,7 +150,7 @@ def _repair_checks(engine: Engine, tiny_model: Path, tmp: Path, redis_url: str, 
     """A refused version the trainer publishes again (a new manifest) is tried again and adopted."""
     from shared.fence import record_takeover
 
-    worker, store, http = _worker(engine, tiny_model, tmp, redis_url, refusal_recheck_s=0.0)
+    worker, store, http = rollout_worker(engine, tiny_model, tmp, redis_url, refusal_recheck_s=0.0)
     job = add_job(r, str(tiny_model), group_size=2, max_staleness=1, eval_size=0)
 
     def refusals() -> list[tuple[int, str]]:
@@ -207,7 +188,7 @@ def _repair_checks(engine: Engine, tiny_model: Path, tmp: Path, redis_url: str, 
 
 def _eval_lease_checks(engine: Engine, tiny_model: Path, tmp: Path, redis_url: str, r, versions: dict) -> None:  # noqa: ANN001
     """A version under evaluation stays loaded while a newer one is adopted and generates."""
-    worker, store, _ = _worker(engine, tiny_model, tmp, redis_url, eval_chunk=4, eval_samples=2)
+    worker, store, _ = rollout_worker(engine, tiny_model, tmp, redis_url, eval_chunk=4, eval_samples=2)
     job = add_job(r, str(tiny_model), group_size=2, max_staleness=0, eval_size=12, sampling={"max_tokens": 6})
     publish(store, r, job.id, 1, *versions["a"])
     worker.refresh_jobs()
@@ -258,7 +239,7 @@ def _full_weight_checks(engine: Engine, tiny_model: Path, tmp: Path, redis_url: 
 
     from services.trainer.policy import load_full_weights, load_policy
 
-    worker, store, http = _worker(engine, tiny_model, tmp, redis_url)
+    worker, store, http = rollout_worker(engine, tiny_model, tmp, redis_url)
     job = add_job(r, str(tiny_model), group_size=4, eval_size=0, sampling={"temperature": 1.0, "max_tokens": 6})
     files_a, probe_a = versions["a"]
     assert "adapter_config.json" not in files_a and "model.safetensors" in files_a
@@ -359,7 +340,7 @@ class TestRemote:
 
     def test_full_weights_refused(self, remote_engine, tiny_model, tmp_path, redis_server, r, full_versions) -> None:  # noqa: ANN001
         """A remote server's base weights cannot be swapped from the client: refused, still serving."""
-        worker, store, http = _worker(remote_engine, tiny_model, tmp_path, redis_server.url)
+        worker, store, http = rollout_worker(remote_engine, tiny_model, tmp_path, redis_server.url)
         job = add_job(r, str(tiny_model), group_size=2, eval_size=0)
         publish(store, r, job.id, 1, *full_versions["a"])
         worker.refresh_jobs()

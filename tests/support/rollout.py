@@ -24,7 +24,10 @@ from shared.store import FileStore, ObjectStore
 from tests.support.waits import Deadline
 
 if TYPE_CHECKING:
+    from fastapi.testclient import TestClient
+
     from services.rollout.engine import Engine
+    from services.rollout.worker import RolloutWorker
 
 
 def add_job(r: redis.Redis, model: str, name: str = "t", **spec: object) -> JobRecord:
@@ -129,8 +132,9 @@ def corrupt(store: ObjectStore, job_id: str, version: int, name: str = "adapter_
     store.put(key, bytes(data))
 
 
-def start_vllm_server(model: str, port: int, log: Path, *extra: str) -> subprocess.Popen:
-    """`python -m vllm.entrypoints.openai.api_server` for the tiny model, runtime LoRA on (CPU)."""
+def start_vllm_server(model: str, port: int, log: Path, *extra: str, lora: bool = True) -> subprocess.Popen:
+    """`python -m vllm.entrypoints.openai.api_server` for the tiny model, runtime LoRA on (CPU);
+    `lora` False: a server started without --enable-lora (its adapter routes stay, as in production)."""
     env = {
         **os.environ,
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
@@ -147,11 +151,7 @@ def start_vllm_server(model: str, port: int, log: Path, *extra: str) -> subproce
         "127.0.0.1",
         "--port",
         str(port),
-        "--enable-lora",
-        "--max-lora-rank",
-        "16",
-        "--max-loras",
-        "4",
+        *(["--enable-lora", "--max-lora-rank", "16", "--max-loras", "4"] if lora else []),
         "--max-model-len",
         "256",
         "--dtype",
@@ -183,9 +183,12 @@ def wait_vllm_server(url: str, proc: subprocess.Popen, log: Path, timeout: float
 
 
 @contextlib.contextmanager
-def started_engine(mode: str, model: str, workdir: Path, *, max_loras: int = 4) -> Iterator[tuple[Engine, str]]:
+def started_engine(
+    mode: str, model: str, workdir: Path, *, max_loras: int = 4, lora: bool = True
+) -> Iterator[tuple[Engine, str]]:
     """A started engine of the given mode ("inprocess" | "remote": a vLLM server for it, its log
-    in workdir) and, for remote, the server URL; closed (the server stopped by pid) on exit."""
+    in workdir, LoRA off if not `lora`) and, for remote, the server URL; closed (the server
+    stopped by pid) on exit."""
     from services.cli.launch import free_port, terminate
 
     if mode == "inprocess":
@@ -203,7 +206,7 @@ def started_engine(mode: str, model: str, workdir: Path, *, max_loras: int = 4) 
 
     port = free_port()
     log = workdir / "vllm-server.log"
-    proc = start_vllm_server(model, port, log)
+    proc = start_vllm_server(model, port, log, lora=lora)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_vllm_server(url, proc, log)
@@ -295,3 +298,28 @@ def percentile(xs: list[float], q: float) -> float:
     pos = (len(ys) - 1) * q / 100
     lo, hi = int(pos), min(int(pos) + 1, len(ys) - 1)
     return ys[lo] + (ys[hi] - ys[lo]) * (pos - lo)
+
+
+def rollout_worker(
+    engine: Engine, model: Path, tmp: Path, redis_url: str, **settings: object
+) -> tuple[RolloutWorker, FileStore, TestClient]:
+    """A rollout worker on `engine` in dev mode (its store and data under `tmp`, `settings` on
+    top), the store, and an HTTP client of its app (/readyz, /metrics)."""
+    from fastapi.testclient import TestClient
+
+    from services.rollout.settings import RolloutSettings
+    from services.rollout.worker import RolloutWorker
+    from shared.service import ServiceRuntime
+
+    s = RolloutSettings(
+        model=str(model),
+        redis_url=redis_url,
+        store_url=f"file://{tmp / 'store'}",
+        dev=True,
+        data_dir=tmp,
+        **settings,
+    )
+    rt = ServiceRuntime("rollout", s)
+    rt.health.set("engine", True)
+    store = FileStore(tmp / "store")
+    return RolloutWorker(rt, s, engine, store), store, TestClient(rt.app)

@@ -379,6 +379,19 @@ def test_compose_profiles() -> None:
         assert url.startswith("http://engine-") and not url.endswith("/v1"), "a base URL: the client adds /v1"
 
 
+def test_mi50_engines_run_the_maintained_gfx906_fork_when_asked() -> None:
+    """Issue 44, item 11: the archived nlzy fork (vLLM 0.11.2) stays the default, and its maintained
+    successor, which .env.example names, is one variable away: both engines run it, pinned, fp16."""
+    documented = re.findall(r"^#.*\bMI50_ENGINE_IMAGE=(\S+)", (COMPOSE / ".env.example").read_text(), re.M)
+    assert len(documented) == 1 and "vllm-gfx906-mobydick:v0.23.1" in documented[0], documented
+    for image in (filled_env()["MI50_ENGINE_IMAGE"], documented[0]):
+        services = load_compose("compose.yaml", filled_env() | {"MI50_ENGINE_IMAGE": image})["services"]
+        for name in ("engine-rollout", "engine-ref"):
+            assert services[name]["image"] == image and not image.endswith(":latest")
+            assert "--dtype=float16" in services[name]["command"]
+    assert filled_env()["MI50_ENGINE_IMAGE"] == "nalanzeyu/vllm-gfx906:v0.11.2-rocm6.3"
+
+
 def test_compose_depends_on_waits_for_health() -> None:
     services = load_compose("compose.yaml")["services"]
     for name, svc in services.items():

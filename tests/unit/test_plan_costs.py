@@ -191,6 +191,18 @@ def test_owned_cards_only_cost_nothing_and_keep_the_fastest_plan(capsys: pytest.
     assert [r["card"] for r in cheap["roles"]] == [r["card"] for r in fast["roles"]]
 
 
+def test_qwen2_5_32b_lora_colocated_on_four_h100s_uses_all_four(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 44, item 8 (verl runs this layout: tests/integration/test_plan.py cites its table).
+    The plan said it did not fit: each role got one of the four cards."""
+    argv = ["--model", "Qwen/Qwen2.5-32B", "--method", "lora", "--cards", "h100:4", "--placement", "colocated"]
+    code, out = run_json(argv, capsys)
+    assert code == 0 and out["fits"] and out["placement"] == "colocated"
+    assert out["layout"] == "trainer: 4x h100, rollout: 4x h100, ref: 4x h100"
+    trainer = out["roles"][0]
+    assert trainer["recommended"]["sharding"] == "fsdp" and "--nproc-per-node=4" in trainer["layout"]["launcher"]
+    assert out["mode"] == "all-rented" and out["costs"][0]["cost_per_1k_steps"] > 0
+
+
 # ------------------------------------------------------------------ bad input: exit 2, one line
 @pytest.mark.parametrize(
     ("args", "flag"),
