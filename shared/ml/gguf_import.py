@@ -29,6 +29,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 MANIFEST = "burstrl_model.json"
 KIND = "gguf"
@@ -141,7 +142,7 @@ def import_gguf(src: Path, out: Path, *, force: bool = False, log: Callable[[str
             for p in tmp.iterdir():
                 p.chmod(0o644)  # transformers writes the weights 0600; a container's service user reads them
             files = {p.name: file_sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-            manifest = {
+            manifest: dict[str, Any] = {
                 "kind": KIND,
                 "recipe": RECIPE,
                 "source": src.name,
@@ -158,7 +159,7 @@ def import_gguf(src: Path, out: Path, *, force: bool = False, log: Callable[[str
     return out
 
 
-def read_manifest(folder: Path) -> dict | None:
+def read_manifest(folder: Path) -> dict[str, Any] | None:
     """An imported folder's manifest; None when it has none (or not an import's)."""
     try:
         meta = json.loads((Path(folder) / MANIFEST).read_text())
@@ -186,7 +187,7 @@ def verify_folder(folder: Path) -> list[str]:
 
 def _imported(out: Path, source_sha: str) -> bool:
     meta = read_manifest(out)
-    return bool(meta) and meta.get("source_sha256") == source_sha and meta.get("recipe") == RECIPE  # type: ignore[union-attr]
+    return meta is not None and meta.get("source_sha256") == source_sha and meta.get("recipe") == RECIPE
 
 
 def _write_folder(src: Path, arch: str, into: Path) -> None:
@@ -195,7 +196,7 @@ def _write_folder(src: Path, arch: str, into: Path) -> None:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    def load(what: str, fn: Callable[[], object]) -> object:
+    def load(what: str, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
         except Exception as e:
@@ -205,7 +206,7 @@ def _write_folder(src: Path, arch: str, into: Path) -> None:
             ) from e
 
     tok = load("tokenizer", lambda: AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name))
-    model, info = load(  # type: ignore[misc]
+    model, info = load(
         "model",
         lambda: AutoModelForCausalLM.from_pretrained(
             src.parent, gguf_file=src.name, dtype=torch.float32, output_loading_info=True
@@ -222,14 +223,14 @@ def _write_folder(src: Path, arch: str, into: Path) -> None:
     # The weights are dequantized now: a config still naming the GGUF quantization makes vLLM
     # refuse the folder and transformers look for the .gguf file again, and the model's GGUF
     # quantizer makes save_pretrained refuse to write it ("not serializable").
-    cfg = model.config  # type: ignore[attr-defined]
+    cfg = model.config
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
-    model.hf_quantizer = None  # type: ignore[attr-defined]
+    model.hf_quantizer = None
     cfg.dtype = torch.float32
     into.mkdir(parents=True)
-    tok.save_pretrained(into)  # type: ignore[attr-defined]
-    model.save_pretrained(into, safe_serialization=True)  # type: ignore[attr-defined]
+    tok.save_pretrained(into)
+    model.save_pretrained(into, safe_serialization=True)
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:
