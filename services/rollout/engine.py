@@ -47,6 +47,9 @@ from shared.engines.vllm_setup import engine_dead, prepare_cpu_engine_env, shut_
 log = logging.getLogger(__name__)
 
 
+Prompt = str | list[int]  # text for the engine to tokenize, or token ids used as they are
+
+
 @dataclass(frozen=True)
 class Adapter:
     name: str
@@ -124,8 +127,9 @@ class Engine(Protocol):
         Every loaded adapter is gone afterwards."""
         ...
 
-    def generate(self, prompts: list[str], adapters: list[Adapter | None], cfg: SamplingConfig) -> list[Generation]:
-        """Samples for each prompt, with every sampled token's log-prob. Raises RequestFailed
+    def generate(self, prompts: list[Prompt], adapters: list[Adapter | None], cfg: SamplingConfig) -> list[Generation]:
+        """Samples for each prompt (text, which the engine tokenizes with its special tokens, or
+        token ids used as they are), with every sampled token's log-prob. Raises RequestFailed
         (its `index`: the prompt) when one request is refused or answered without a log-prob."""
         ...
 
@@ -138,6 +142,17 @@ class Engine(Protocol):
 
     def tokenize(self, text: str, *, special: bool) -> list[int]:
         """Token ids of `text`; special=True adds what a text prompt gets (e.g. BOS)."""
+        ...
+
+    def has_chat_template(self) -> bool:
+        """Whether the served model's tokenizer has a chat template."""
+        ...
+
+    def chat_ids(self, text: str) -> list[int]:
+        """Token ids of `text` as one user message through the model's chat template, with the
+        generation prompt, tokenized without adding special tokens (the template writes its own:
+        adding a BOS again would give the model a prompt it never saw). EngineRequestRefused when
+        the model has no chat template."""
         ...
 
     def prompt_logprobs(self, token_ids: list[int], adapter: Adapter | None) -> list[float]:
@@ -276,18 +291,31 @@ class InProcessEngine:
 
         return LoRARequest(adapter.name, adapter.lora_id, adapter.path) if adapter else None
 
-    def generate(self, prompts: list[str], adapters: list[Adapter | None], cfg: SamplingConfig) -> list[Generation]:
-        return self._generate(list(prompts), adapters, cfg)
+    def generate(self, prompts: list[Prompt], adapters: list[Adapter | None], cfg: SamplingConfig) -> list[Generation]:
+        from vllm.inputs import TokensPrompt
+
+        inputs = [p if isinstance(p, str) else TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        return self._generate(inputs, adapters, cfg)
 
     def generate_ids(
         self, prompts: list[list[int]], adapters: list[Adapter | None], cfg: SamplingConfig
     ) -> list[Generation]:
-        from vllm.inputs import TokensPrompt
-
-        return self._generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], adapters, cfg)
+        return self.generate(list(prompts), adapters, cfg)
 
     def tokenize(self, text: str, *, special: bool) -> list[int]:
         return list(self.llm.get_tokenizer().encode(text, add_special_tokens=special))
+
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.llm.get_tokenizer(), "chat_template", None))
+
+    def chat_ids(self, text: str) -> list[int]:
+        tok = self.llm.get_tokenizer()
+        if not self.has_chat_template():
+            raise EngineRequestRefused(f"the model {self.base_model} has no chat template: use prompt_format 'raw'")
+        rendered = tok.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        return list(tok.encode(rendered, add_special_tokens=False))
 
     def _generate(self, prompts: list, adapters: list[Adapter | None], cfg: SamplingConfig) -> list[Generation]:
         from vllm import SamplingParams
@@ -382,6 +410,7 @@ class RemoteEngine(OpenAIClient):
         self.path_map = path_map
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._chat_template: bool | None = None
         self.served_model = served_model or self._base_model()
 
     # -- plumbing --------------------------------------------------------------------
@@ -499,7 +528,7 @@ class RemoteEngine(OpenAIClient):
             raise failed
         return out
 
-    def generate(self, prompts: list[str], adapters: list[Adapter | None], cfg: SamplingConfig) -> list[Generation]:
+    def generate(self, prompts: list[Prompt], adapters: list[Adapter | None], cfg: SamplingConfig) -> list[Generation]:
         return self._each(prompts, adapters, cfg)
 
     def generate_ids(
@@ -511,6 +540,34 @@ class RemoteEngine(OpenAIClient):
     def tokenize(self, text: str, *, special: bool = True) -> list[int]:
         body = {"model": self.served_model, "prompt": text, "add_special_tokens": special}
         return list(self._json("/tokenize", body)["tokens"])
+
+    def _chat_tokenize(self, text: str) -> list[int]:
+        # The server renders its own template; add_special_tokens False (vLLM's default for
+        # messages): the template writes the special tokens itself.
+        body = {
+            "model": self.served_model,
+            "messages": [{"role": "user", "content": text}],
+            "add_generation_prompt": True,
+            "add_special_tokens": False,
+        }
+        return list(self._json("/tokenize", body)["tokens"])
+
+    def has_chat_template(self) -> bool:
+        """Asked of the server once (a render of one message), then remembered: its model is fixed."""
+        if self._chat_template is None:
+            try:
+                self._chat_tokenize("hi")
+                self._chat_template = True
+            except EngineRequestRefused:  # vLLM answers 400 for a tokenizer without a template
+                self._chat_template = False
+        return self._chat_template
+
+    def chat_ids(self, text: str) -> list[int]:
+        if not self.has_chat_template():
+            raise EngineRequestRefused(
+                f"the remote engine's model {self.served_model} has no chat template: use prompt_format 'raw'"
+            )
+        return self._chat_tokenize(text)
 
     def prompt_logprobs(self, token_ids: list[int], adapter: Adapter | None) -> list[float]:
         body = {

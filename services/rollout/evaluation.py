@@ -181,7 +181,7 @@ class Evaluator:
             env_rewards = [[sum(ep.parts.values()) for ep in eps] for _, eps in sampled]
             episodes = [ep for _, eps in sampled for ep in eps]
         else:
-            prompts = [(it.prompt, lease) for it in items]
+            prompts = [(p, lease) for p in self.leases.render([(it.prompt, spec) for it in items])]
             gens = self.leases.generate_on(prompts, sampled_cfg)
             greedy_gens = self.leases.generate_on(prompts, greedy_cfg)
             answers = [

@@ -18,9 +18,10 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from services.rollout.engine import Adapter, Engine, Generation, SamplingConfig
+from services.rollout.engine import Adapter, Engine, Generation, Prompt, SamplingConfig
 from services.rollout.episodes import Episode, new_episode, run_episodes
 from services.rollout.errors import RequestFailed
+from services.rollout.prompts import PromptRenderer
 from shared.job import JobRecord, JobSpec
 
 log = logging.getLogger(__name__)
@@ -92,9 +93,10 @@ class ServedJob:
 class Leases:
     """The one way requests reach the engine: each on the version its lease names."""
 
-    def __init__(self, engine: Engine, registry: CollectorRegistry, context: int) -> None:
+    def __init__(self, engine: Engine, registry: CollectorRegistry, context: int, model: str = "") -> None:
         self.engine = engine
         self.context = context  # the engine's context length (episodes stay within it)
+        self.prompts = PromptRenderer(engine, model)  # `model`: the base model folder served
         self.busy_s = 0.0  # seconds spent in engine calls (the idle-fraction window reads it)
         self.m_inflight = Gauge(
             "burstrl_rollout_requests_in_flight", "Prompts submitted to the engine", registry=registry
@@ -135,16 +137,21 @@ class Leases:
         self, batch: list[tuple[str, ServedJob]], cfg: SamplingConfig
     ) -> list[tuple[ServedVersion, Generation]]:
         """Generate for (prompt, job) pairs, each leased to the job's current version for the call."""
+        inputs = self.render([(p, view.rec.spec) for p, view in batch])  # RequestFailed: before leases
         leases = [(view, self.take(view)) for _, view in batch]
         try:
-            gens = self.generate_on([(p, x) for (p, _), (_, x) in zip(batch, leases, strict=True)], cfg)
+            gens = self.generate_on([(p, x) for p, (_, x) in zip(inputs, leases, strict=True)], cfg)
         finally:
             for view, x in leases:
                 self.release(view, x)
         return [(x, g) for (_, x), g in zip(leases, gens, strict=True)]
 
-    def generate_on(self, batch: list[tuple[str, ServedVersion]], cfg: SamplingConfig) -> list[Generation]:
-        """Generate for (prompt, version) pairs; the caller holds the leases."""
+    def render(self, batch: list[tuple[str, JobSpec]]) -> list[Prompt]:
+        """Jobs' prompt texts as the engine's inputs (services/rollout/prompts.py)."""
+        return self.prompts.render(batch)
+
+    def generate_on(self, batch: list[tuple[Prompt, ServedVersion]], cfg: SamplingConfig) -> list[Generation]:
+        """Generate for (rendered prompt, version) pairs; the caller holds the leases."""
         t0 = time.time()
         try:
             return self.engine.generate([p for p, _ in batch], [x.adapter for _, x in batch], cfg)

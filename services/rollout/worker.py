@@ -50,7 +50,7 @@ class RolloutWorker:
         self.cache = settings.data_dir / "adapters" / f"{settings.replica}-{uuid.uuid4().hex[:6]}"
         self.engine_ok = True
         self.reporter = Reporter(rt)
-        self.leases = Leases(engine, rt.registry, settings.max_model_len)
+        self.leases = Leases(engine, rt.registry, settings.max_model_len, settings.model)
         self.adopter = Adopter(rt, settings, engine, store, self.leases, self.reporter, self.jobs, self.cache)
         self.evaluator = Evaluator(rt, settings, self.leases)
         self.generator = Generator(rt, settings, self.bus, self.leases, self.adopter.adopt_latest)

@@ -91,6 +91,9 @@ class FakeEngine:
     def tokenize(self, text: str, *, special: bool) -> list[int]:
         return ([1] if special else []) + [ord(c) % 250 + 2 for c in text]
 
+    def has_chat_template(self) -> bool:
+        return False  # jobs' prompts reach generate as text (prompt_format auto resolves to raw)
+
     def generate(self, prompts: list[str], adapters: list[Adapter | None], cfg: SamplingConfig) -> list[Generation]:
         if self.down:
             raise EngineUnavailable("fake engine unreachable")
