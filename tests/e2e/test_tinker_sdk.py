@@ -239,3 +239,53 @@ def test_bad_input_is_named_and_the_session_goes_on(ts: TinkerStack, tiny_model:
     # The session goes on: the SDK's next call (seq 2) is served as if nothing had happened.
     out = tc.forward_backward([ce_datum(TOKENS)], "cross_entropy").result(timeout=60)
     assert math.isfinite(out.metrics["loss:sum"])
+
+
+# -- the trainer comes and goes mid-loop: each call applied once --------------------------------
+def torch_reference_loop(model_path: Path, batches: list[list[int]]) -> dict:
+    """len(batches) steps of cross_entropy + AdamW in plain torch, from a fresh policy."""
+    import torch
+    from peft import get_peft_model_state_dict
+
+    from services.trainer.policy import load_policy
+
+    model, _ = load_policy(str(model_path), rank=RANK, alpha=32, device="cpu", seed=SEED)
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, betas=(0.9, 0.95), eps=1e-12)
+    for toks in batches:
+        logits = model(input_ids=torch.tensor([toks[:-1]])).logits[0].float()
+        (-logits.log_softmax(-1).gather(-1, torch.tensor(toks[1:])[:, None])).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def test_trainer_killed_and_stopped_mid_loop_applies_each_call_once(ts: TinkerStack, tiny_model: Path) -> None:
+    if "tinker" in ts.stack.launcher.procs():
+        ts.stop_worker()
+    short = {"BURSTRL_TRAINER_LEASE_S": "5"}  # a killed worker's lease frees in 5 s, not 30
+    ts.start_worker(**short)
+    svc = ts.client()
+    tc = svc.create_lora_training_client(base_model=str(tiny_model), rank=RANK, seed=SEED).result(timeout=60)
+    batches = [TOKENS[i:] + TOKENS[:i] for i in range(6)]
+    steps = []
+    for i, toks in enumerate(batches):
+        fb = tc.forward_backward([ce_datum(toks)], "cross_entropy")
+        opt = tc.optim_step(types.AdamParams(learning_rate=LR))
+        if i == 2:  # killed while step 3's calls are queued or running: nothing more of it is written
+            ts.stop_worker(kill=True)
+            ts.start_worker(**short)
+        if i == 4:  # stopped: it checkpoints what holds no pending gradient and hands the lease back
+            fb.result(timeout=120)
+            ts.stop_worker()
+            ts.start_worker(**short)
+        fb.result(timeout=180)
+        steps.append(opt.result(timeout=180).metrics["optimizer_step:sum"])
+    assert steps == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]  # each optim_step took its own step, once
+    job = "tinker-" + tc.model_id.replace(":train:", "-")
+    tc.save_state("after-loop").result(timeout=60)
+
+    from safetensors.torch import load_file
+
+    got = load_file(str(ts.store / "jobs" / job / "tinker/states/after-loop/adapter_model.safetensors"))
+    assert_same_adam_trajectory(got, torch_reference_loop(tiny_model, batches), step=LR)
