@@ -274,30 +274,43 @@ def enqueue_sample(r: redis.Redis, call: SampleCall) -> None:
     r.xadd(keys.tinker_samples(call.job_id), {"call": encode(call)})
 
 
-def read_samples(
-    r: redis.Redis, job_ids: list[str], consumer: str, *, count: int, block_ms: int = 0
-) -> list[tuple[str, SampleCall | None, str]]:
-    """Sample calls for this rollout replica: its own pending ones first, then new ones.
-    Each is (entry id, call or None when it does not decode, problem)."""
-    out: list[tuple[str, SampleCall | None, str]] = []
+@dataclass(frozen=True)
+class QueuedSample:
+    job_id: str
+    entry_id: str
+    call: SampleCall | None  # None: an entry that does not decode (its error in `problem`)
+    problem: str = ""
+
+
+def read_samples(r: redis.Redis, job_ids: list[str], consumer: str, *, count: int) -> list[QueuedSample]:
+    """Sample calls for this rollout replica: those it took before and has not answered (waiting
+    for their version) and new ones, without blocking."""
+    out: dict[str, QueuedSample] = {}
     for start in ("0", ">"):
         streams = {keys.tinker_samples(j): start for j in job_ids}
         if not streams:
             break
-        got = r.xreadgroup(
-            keys.GROUP_TINKER_SAMPLER, consumer, streams, count=count, block=block_ms if start == ">" else None
-        )
-        for _stream, entries in got or []:
+        got = r.xreadgroup(keys.GROUP_TINKER_SAMPLER, consumer, streams, count=count)
+        for stream, entries in got or []:
+            job = keys.job_of_stream(stream.decode())
             for eid, fields in entries:
+                entry = eid.decode()
                 if not fields:  # deleted while pending
                     continue
                 try:
-                    out.append((eid.decode(), decode_tinker(fields[b"call"], SampleCall), ""))
+                    out[entry] = QueuedSample(job, entry, decode_tinker(fields[b"call"], SampleCall))
                 except (KeyError, ValueError, TypeError) as e:
-                    out.append((eid.decode(), None, f"{type(e).__name__}: {e}"))
-        if out:
-            break
-    return out
+                    out[entry] = QueuedSample(job, entry, None, f"{type(e).__name__}: {e}")
+    return list(out.values())
+
+
+def drop_sample(r: redis.Redis, job_id: str, entry_id: str) -> None:
+    """An entry that names no request to answer (it does not decode): out of the stream."""
+    stream = keys.tinker_samples(job_id)
+    pipe = r.pipeline(transaction=True)
+    pipe.xack(stream, keys.GROUP_TINKER_SAMPLER, entry_id)
+    pipe.xdel(stream, entry_id)
+    pipe.execute()
 
 
 def write_sample_result(r: redis.Redis, job_id: str, entry_id: str, result: SampleResult) -> None:
