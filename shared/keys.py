@@ -123,9 +123,11 @@ tinker_results = _per_job(
 tinker_samples = _per_job(
     "tinker-samples", "Stream api -> rollout: one entry per Tinker sample call (a SampleCall), read by a group."
 )
-tinker_sample_results = _per_job(
-    "tinker-sample-results", "Hash request id -> SampleResult of a Tinker sample call, written by rollout."
-)
+
+
+def tinker_sample_result(job_id: str, request: str) -> str:
+    """String: the SampleResult of a Tinker sample call, written by rollout, expiring (SAMPLE_RESULT_TTL_S)."""
+    return f"{PREFIX}:{job_id}:tinker-sample-result:{request}"
 
 
 def tinker_done(job_id: str, request: str) -> str:

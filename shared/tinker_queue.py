@@ -37,6 +37,9 @@ SEQ_WINDOW = 1024
 # retrieve: older ones are pruned with the calls they answer.
 KEEP_BELOW_CHECKPOINT = 1024
 DONE_TTL_S = 120  # the long poll's wake-up token outlives any poll waiting for it
+# A sample call's result waits this long for its client (which reads it at once, retrying on
+# a lost answer); then it expires: nothing else holds it.
+SAMPLE_RESULT_TTL_S = 3600
 
 
 class SeqRefused(ValueError):
@@ -100,9 +103,9 @@ return 1
 """
 )
 
-# KEYS: results hash, samples stream, done list. ARGV: request id, encoded result, group, entry id, ttl s.
+# KEYS: result key, samples stream, done list. ARGV: encoded result, result ttl s, group, entry id, ttl s.
 SAMPLE_DONE_LUA = """
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
 redis.call('XACK', KEYS[2], ARGV[3], ARGV[4])
 redis.call('XDEL', KEYS[2], ARGV[4])
 redis.call('DEL', KEYS[3])
@@ -317,11 +320,11 @@ def write_sample_result(r: redis.Redis, job_id: str, entry_id: str, result: Samp
     r.eval(
         SAMPLE_DONE_LUA,
         3,
-        keys.tinker_sample_results(job_id),
+        keys.tinker_sample_result(job_id, result.request_id),
         keys.tinker_samples(job_id),
         keys.tinker_done(job_id, result.request_id),
-        result.request_id,
         encode(result),
+        SAMPLE_RESULT_TTL_S,
         keys.GROUP_TINKER_SAMPLER,
         entry_id,
         DONE_TTL_S,
@@ -329,7 +332,7 @@ def write_sample_result(r: redis.Redis, job_id: str, entry_id: str, result: Samp
 
 
 def read_sample_result(r: redis.Redis, job_id: str, request: str) -> SampleResult | None:
-    raw = r.hget(keys.tinker_sample_results(job_id), request)
+    raw = r.get(keys.tinker_sample_result(job_id, request))
     return decode_tinker(raw, SampleResult) if raw is not None else None
 
 
