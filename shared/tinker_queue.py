@@ -285,15 +285,18 @@ class QueuedSample:
     problem: str = ""
 
 
-def read_samples(r: redis.Redis, job_ids: list[str], consumer: str, *, count: int) -> list[QueuedSample]:
+def read_samples(
+    r: redis.Redis, job_ids: list[str], consumer: str, *, count: int, new_block_ms: int = 0
+) -> list[QueuedSample]:
     """Sample calls for this rollout replica: those it took before and has not answered (waiting
-    for their version) and new ones, without blocking."""
+    for their version) and new ones, waiting up to `new_block_ms` for a new one (0: not at all)."""
     out: dict[str, QueuedSample] = {}
     for start in ("0", ">"):
         streams = {keys.tinker_samples(j): start for j in job_ids}
         if not streams:
             break
-        got = r.xreadgroup(keys.GROUP_TINKER_SAMPLER, consumer, streams, count=count)
+        block = new_block_ms if start == ">" and new_block_ms else None
+        got = r.xreadgroup(keys.GROUP_TINKER_SAMPLER, consumer, streams, count=count, block=block)
         for stream, entries in got or []:
             job = keys.job_of_stream(stream.decode())
             for eid, fields in entries:

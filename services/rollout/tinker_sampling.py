@@ -16,6 +16,7 @@ used here cannot be unloaded under the call.
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 
 import numpy as np
@@ -29,7 +30,10 @@ from shared.schema import SampleCall, SampleResult
 from shared.service import ServiceRuntime
 
 log = logging.getLogger(__name__)
-READ_COUNT = 64  # sample calls taken per tick: one engine call each batch of them
+READ_COUNT = 256  # sample calls taken per tick: one engine call per batch of them
+# Gathering calls that arrive together: wait this long for the next one, this long in all.
+GATHER_WAIT_MS = 25
+GATHER_MAX_S = 0.25
 
 
 class TinkerSampler:
@@ -53,6 +57,15 @@ class TinkerSampler:
         for job in jobs:
             tinker_queue.ensure_sample_group(r, job)
         taken = tinker_queue.read_samples(r, jobs, self.consumer, count=READ_COUNT)
+        # A client sends its sample calls together (one per prompt of a batch) but they arrive over
+        # a few ms: while more keep coming, gather them, so one engine call serves them all.
+        deadline = time.monotonic() + GATHER_MAX_S
+        while taken and len(taken) < READ_COUNT and time.monotonic() < deadline:
+            more = tinker_queue.read_samples(r, jobs, self.consumer, count=READ_COUNT, new_block_ms=GATHER_WAIT_MS)
+            fresh = [q for q in more if q.entry_id not in {t.entry_id for t in taken}]
+            if not fresh:
+                break
+            taken += fresh
         batches: dict[tuple, list[tuple[str, SampleCall, ServedVersion]]] = defaultdict(list)
         answered = 0
         for q in taken:

@@ -149,16 +149,23 @@ def service_router(r: redis.Redis) -> APIRouter:
     return router
 
 
-def training_router(r: redis.Redis) -> APIRouter:
-    router = APIRouter(tags=["tinker"])
+def _context_cache(r: redis.Redis) -> Callable[[JobRecord], int]:
+    """A model's context length (models.model_context), looked up at most every CONTEXT_CACHE_S."""
     contexts: dict[str, tuple[float, int]] = {}
 
     def context(rec: JobRecord) -> int:
-        at, ctx = contexts.get(rec.spec.base_model, (0.0, 0))
-        if time.monotonic() - at > CONTEXT_CACHE_S:
+        at, ctx = contexts.get(rec.spec.base_model, (-CONTEXT_CACHE_S, 0))
+        if time.monotonic() - at >= CONTEXT_CACHE_S:
             ctx = models.model_context(r, rec.spec.base_model)
             contexts[rec.spec.base_model] = (time.monotonic(), ctx)
         return ctx
+
+    return context
+
+
+def training_router(r: redis.Redis) -> APIRouter:
+    router = APIRouter(tags=["tinker"])
+    context = _context_cache(r)
 
     @router.post("/create_model")
     def create_model(req: CreateModelRequest) -> dict[str, Any]:
@@ -255,6 +262,7 @@ def training_router(r: redis.Redis) -> APIRouter:
 
 def sampling_router(r: redis.Redis) -> APIRouter:
     router = APIRouter(tags=["tinker"])
+    context = _context_cache(r)
 
     def resolve(sampler_id: str) -> tuple[JobRecord, int]:
         job, sep, v = sampler_id.rpartition(".v")
@@ -287,7 +295,7 @@ def sampling_router(r: redis.Redis) -> APIRouter:
             raise _refused("sampling_session_id", "sample through a sampling client of a saved model")
         rec, version = resolve(req.sampling_session_id)
         tokens = [t for c in req.prompt.chunks for t in c.tokens]
-        ctx = models.model_context(r, rec.spec.base_model)
+        ctx = context(rec)
         p = req.sampling_params
         max_tokens = p.max_tokens or 16
         if ctx and len(tokens) + max_tokens > ctx:
