@@ -18,7 +18,10 @@ import httpx
 import numpy as np
 import pytest
 
+from shared import keys
+from shared.job import JobState, load_job
 from tests.support.numerics import FP32_LOGPROB_TOL, assert_same_adam_trajectory
+from tests.support.stack import wait_for
 from tests.support.tinker import API_KEY, TinkerStack, reference_logprobs, tinker_stack
 
 pytestmark = pytest.mark.slow
@@ -239,6 +242,13 @@ def test_bad_input_is_named_and_the_session_goes_on(ts: TinkerStack, tiny_model:
     # The session goes on: the SDK's next call (seq 2) is served as if nothing had happened.
     out = tc.forward_backward([ce_datum(TOKENS)], "cross_entropy").result(timeout=60)
     assert math.isfinite(out.metrics["loss:sum"])
+
+    # Closing the client completes its model's job: the worker lets it go, rollout stops serving it.
+    job = "tinker-" + tc.model_id.replace(":train:", "-")
+    svc.close()
+    r = ts.stack.redis.client()
+    wait_for(lambda: load_job(r, job).state == JobState.completed, 30, "the closed session's model completed")
+    wait_for(lambda: not r.exists(keys.trainer_lease(job)), 30, "the worker letting the model go", ts.stack.launcher)
 
 
 # -- the trainer comes and goes mid-loop: each call applied once --------------------------------

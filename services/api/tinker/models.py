@@ -19,10 +19,11 @@ import redis
 from services.api.tinker.protocol import CreateModelRequest, job_of_model, model_id
 from shared import keys, tinker_queue
 from shared.bus import Bus
-from shared.job import JobRecord, JobSpec, JobState, insert_job, load_job, same_model
+from shared.job import JobRecord, JobSpec, JobState, insert_job, load_job, same_model, set_state
 from shared.ledger import init_ledger
 from shared.policy import init_pointer
 from shared.schema import decode_heartbeat
+from shared.service import active_job_ids
 
 # LoRA alpha is not part of Tinker's LoraConfig: burstrl's default, capped where JobSpec caps it.
 LORA_ALPHA = 32
@@ -58,6 +59,18 @@ def heartbeat(r: redis.Redis, *, session_id: str) -> None:
     rec = json.loads(raw)
     rec["heartbeat_at"] = time.time()
     r.hset(keys.tinker_sessions(), session_id, json.dumps(rec))
+
+
+def finish_session(r: redis.Redis, *, session_id: str) -> list[str]:
+    """The SDK closed its ServiceClient: its models' jobs complete (the worker checkpoints and lets
+    them go, rollout stops serving them); their saved states stay loadable. Returns their job ids."""
+    prefix = f"tinker-{session_id}-"
+    done = []
+    for job_id in active_job_ids(r):
+        if job_id.startswith(prefix) and set_state(r, job_id, JobState.completed, only_from={JobState.running}):
+            done.append(job_id)
+    r.hdel(keys.tinker_sessions(), session_id)
+    return done
 
 
 def check_session(r: redis.Redis, session_id: str) -> None:

@@ -127,7 +127,8 @@ def service_router(r: redis.Redis) -> APIRouter:
 
     @router.post("/sessions/{session_id}/finish")
     def finish_session(session_id: str) -> dict[str, Any]:
-        return {}
+        """ServiceClient.close(): the session's models are done (their saved states stay)."""
+        return {"completed": models.finish_session(r, session_id=session_id)}
 
     @router.post("/telemetry")
     def telemetry() -> dict[str, Any]:

@@ -70,6 +70,10 @@ class TinkerWorker:
         if time.monotonic() - self._claimed_at < CLAIM_EVERY_S:
             return
         self._claimed_at = time.monotonic()
+        for job_id in list(self.held):  # a model whose job ended (its session closed, cancelled)
+            rec = load_job(self.r, job_id)
+            if rec is None or rec.state != JobState.running:
+                self._release(job_id, f"its job is {'gone' if rec is None else rec.state.value}")
         for job_id in [self.s.job] if self.s.job else active_job_ids(self.r):
             if job_id in self.held:
                 continue
@@ -232,18 +236,21 @@ class TinkerWorker:
         h.model.dirty = False
         h.applied, h.cursor, h.buffered, h.since_ckpt = seq, "0", {}, []
 
+    def _release(self, job_id: str, why: str) -> None:
+        """Checkpoint a model that has applied calls since its checkpoint and holds no pending
+        gradient (one mid-accumulation replays them in its next holder), then hand back its lease."""
+        h = self.held[job_id]
+        try:
+            if h.since_ckpt and not h.model.dirty:
+                self._checkpoint(job_id, h, h.applied)
+        except Exception as e:  # noqa: BLE001 - the queue keeps the calls: the next holder replays them
+            log.error("Tinker model %s: checkpoint before letting it go failed: %s", job_id, e)
+        self._drop(job_id, why)
+
     def close(self) -> None:
-        """At exit: checkpoint each model that has applied calls since its checkpoint and holds
-        no pending gradient (a model mid-accumulation replays them in its next holder), then
-        hand back its lease."""
+        """At exit: every model let go (checkpointed where it can be)."""
         for job_id in list(self.held):
-            h = self.held[job_id]
-            try:
-                if h.since_ckpt and not h.model.dirty:
-                    self._checkpoint(job_id, h, h.applied)
-            except Exception as e:  # noqa: BLE001 - the queue keeps the calls: the next holder replays them
-                log.error("Tinker model %s: exit checkpoint failed: %s", job_id, e)
-            self._drop(job_id, "worker stopping")
+            self._release(job_id, "worker stopping")
 
 
 def _stream_order(entry_id: str) -> tuple[int, int]:
