@@ -11,7 +11,7 @@
    service's environment, so its thread settings are the service's), on the same adapter
    version, prompts and sampling parameters, the rollout service stopped. Target >= 0.9.
 
-    .venv/bin/python bench/tinker_overhead.py --steps 10 --out docs/bench/tinker_overhead.md
+    .venv/bin/python bench/tinker_overhead.py --steps 10 --out bench/results/tinker_overhead.md
 """
 
 from __future__ import annotations
@@ -30,10 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
-from bench.output import emit, repo_path  # noqa: E402
-from bench.run_all import machine  # noqa: E402
 from services.cli.launch import free_port  # noqa: E402
 from shared.policy import read_pointer  # noqa: E402
+from tests.support.lab.results import Figure, emit, figure, machine, shown_command  # noqa: E402
 from tests.support.models import TINY  # noqa: E402
 from tests.support.tinker import tinker_stack  # noqa: E402
 
@@ -209,12 +208,10 @@ def main() -> None:
     ratio = statistics.median(x["sdk_s"] / x["direct_s"] for x in rounds)
     samp = res["sdk_sampling"]["tokens_per_s"] / res["direct_sampling"]["tokens_per_s"]  # type: ignore[index]
     res.update(median=med, ratio_ckpt=ratio_ckpt, ratio=ratio, sampling_ratio=samp, machine=machine(), load=load0)
-    cmd = f"`.venv/bin/python bench/tinker_overhead.py --steps {a.steps}" + (
-        f" --out {repo_path(a.out)}`" if a.out else "`"
-    )
+    cmd = shown_command(__file__)
     text = f"""# The Tinker API's cost: SDK against direct, one run
 
-{cmd}, started {started}; load average then {load0[0]:.1f} / {load0[1]:.1f} / {load0[2]:.1f} (the machine is shared).
+`{cmd}`, started {started}; load average then {load0[0]:.1f} / {load0[1]:.1f} / {load0[2]:.1f} (the machine is shared).
 
 {machine()}
 
@@ -235,7 +232,35 @@ the rollout service (sampling), and the long poll back. Direct: the worker's own
 called directly in a process with the service's environment, on the same adapter version, one
 engine call for all the prompts, with the service stopped.
 """
-    emit(text, a.out, res)
+    emit(text, a.out, res, figures=figures(res), command=cmd)
+
+
+def figures(res: dict) -> list[Figure]:
+    """The page's headline figures (bench/run_all.py collects them)."""
+    med = res["median"]
+    return [
+        figure(
+            "Tinker SDK forward_backward + optim_step / the same step in-process (checkpoint every step)",
+            f"{med['sdk_ckpt_s'] * 1000:.0f} ms",
+            f"{med['direct_s'] * 1000:.0f} ms",
+            res["ratio_ckpt"],
+            "<= 1.2x",
+        ),
+        figure(
+            "Tinker SDK forward_backward + optim_step / the same step in-process (protocol alone)",
+            f"{med['sdk_s'] * 1000:.0f} ms",
+            f"{med['direct_s'] * 1000:.0f} ms",
+            res["ratio"],
+            "<= 1.2x",
+        ),
+        figure(
+            "Tinker SDK sampling tokens/s / the rollout engine called directly",
+            f"{res['sdk_sampling']['tokens_per_s']:.0f} tokens/s",
+            f"{res['direct_sampling']['tokens_per_s']:.0f} tokens/s",
+            res["sampling_ratio"],
+            ">= 0.9",
+        ),
+    ]
 
 
 if __name__ == "__main__":

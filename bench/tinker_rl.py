@@ -11,11 +11,11 @@ trainer's (torch defaults, grad norm clipped at 1).
 
 The native side is the same task, model, LoRA rank, G, B, steps, learning rate and seed as a
 burstrl job (api, rollout, reward, trainer; no KL, no ref). Both final versions are evaluated by
-one evaluator (bench/trl_compare.py's `evaluate_versions`: the same held-out prompts and samples).
+one evaluator (tests/support/lab/heldout.py's `evaluate_versions`: the same held-out prompts and samples).
 Target: |SDK accuracy - native accuracy| <= 0.05. A bench, not a test: two trainings and their
 evaluations take minutes of both cores, past what `make test` can spend on it.
 
-    .venv/bin/python bench/tinker_rl.py --steps 16 --out docs/bench/tinker_rl.md
+    .venv/bin/python bench/tinker_rl.py --steps 16 --out bench/results/tinker_rl.md
 """
 
 from __future__ import annotations
@@ -33,12 +33,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
-from bench.output import emit, repo_path  # noqa: E402
-from bench.pipeline import Stack, run_job  # noqa: E402
-from bench.run_all import machine  # noqa: E402
-from bench.trl_compare import BATCH, EVAL_K, EVAL_N, WORKLOADS, G, burstrl_job, evaluate_versions  # noqa: E402
+
 from shared.domain.tasks import get_task  # noqa: E402
 from shared.policy import read_pointer  # noqa: E402
+from tests.support.lab.heldout import EVAL_K, EVAL_N, WORKLOADS, evaluate_versions  # noqa: E402
+from tests.support.lab.jobs import BATCH, DEMO_SHAPE, G  # noqa: E402
+from tests.support.lab.results import Figure, emit, figure, machine, shown_command  # noqa: E402
+from tests.support.lab.stack import Stack, run_job  # noqa: E402
 from tests.support.tinker import tinker_stack  # noqa: E402
 
 TASK, RANK, LR = "arith", 16, 1e-3
@@ -124,7 +125,17 @@ def main() -> None:
     res["sdk"] = sdk
 
     # The native side: the same job through burstrl's own pipeline.
-    spec = {**burstrl_job(TASK, a.steps, LR, a.seed, eval_size=0), "kl_coef": 0.0, "lora_rank": RANK}
+    spec = {
+        **DEMO_SHAPE,
+        "name": "native",
+        "task": TASK,
+        "steps": a.steps,
+        "learning_rate": LR,
+        "lora_rank": RANK,
+        "kl_coef": 0.0,  # no ref: the SDK loop has no KL term either
+        "eval_size": 0,  # evaluated afterwards, by the one evaluator
+        "seed": a.seed,
+    }
     with Stack(
         Path(tempfile.mkdtemp(prefix="tinker-rl-native-")), model, roles=["api", "rollout", "reward", "trainer"]
     ) as st:
@@ -139,17 +150,17 @@ def main() -> None:
     acc_sdk, acc_native = sdk["evals"][-1]["accuracy"], native["evals"][-1]["accuracy"]
     base = native["evals"][0]["accuracy"]
     res.update(acc_sdk=acc_sdk, acc_native=acc_native, diff=acc_sdk - acc_native, machine=machine(), load=load0)
-    cmd = f"`.venv/bin/python bench/tinker_rl.py --steps {a.steps}" + (f" --out {repo_path(a.out)}`" if a.out else "`")
+    cmd = shown_command(__file__)
     verdict = "within" if abs(acc_sdk - acc_native) <= 0.05 else "outside"
     text = f"""# An RL loop on the tinker SDK against the native burstrl job (arith, tiny model)
 
-{cmd}, started {started}; load average then {load0[0]:.1f} / {load0[1]:.1f} / {load0[2]:.1f} (the machine is shared).
+`{cmd}`, started {started}; load average then {load0[0]:.1f} / {load0[1]:.1f} / {load0[2]:.1f} (the machine is shared).
 
 {machine()}
 
 {a.steps} steps x {BATCH} prompts x {G} samples = {a.steps * BATCH * G} samples on each side; LoRA rank {RANK},
 learning rate {LR}, seed {a.seed}. Held-out accuracy: {EVAL_N} held-out prompts x {EVAL_K} samples at T=1, one
-evaluator for both (bench/trl_compare.py); the base model scores {base:.3f}.
+evaluator for both (tests/support/lab/heldout.py); the base model scores {base:.3f}.
 
 | side | held-out accuracy after {a.steps} steps | training wall s | reward mean, first / last step |
 |---|---|---|---|
@@ -162,7 +173,20 @@ The SDK loop is synchronous (sample on the current version, then train on it: on
 samples ahead of the trainer within max_staleness 1 and corrects for the lag. Wall times are not the
 comparison here: the SDK loop waits for rollout to adopt each version before it samples it.
 """
-    emit(text, a.out, res)
+    emit(text, a.out, res, figures=figures(res), command=cmd)
+
+
+def figures(res: dict) -> list[Figure]:
+    """The page's headline figure (bench/run_all.py collects it): the accuracy difference, target 0.05."""
+    return [
+        figure(
+            f"arith held-out accuracy after {res['steps']} steps: an RL loop on the tinker SDK vs the native job",
+            f"{res['acc_sdk']:.3f}",
+            f"{res['acc_native']:.3f}",
+            None,
+            "within 0.05",
+        )
+    ]
 
 
 if __name__ == "__main__":

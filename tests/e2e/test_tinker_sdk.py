@@ -245,7 +245,7 @@ def test_bad_input_is_named_and_the_session_goes_on(ts: TinkerStack, tiny_model:
 
     # Closing the client completes its model's job: the worker lets it go, rollout stops serving it.
     job = "tinker-" + tc.model_id.replace(":train:", "-")
-    svc.close()
+    svc.close("success").result(timeout=60)
     r = ts.stack.redis.client()
     wait_for(lambda: load_job(r, job).state == JobState.completed, 30, "the closed session's model completed")
     wait_for(lambda: not r.exists(keys.trainer_lease(job)), 30, "the worker letting the model go", ts.stack.launcher)

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from shared.limits import MODEL_REF_MAX, NAME_MAX, SEED_MAX
+from shared.limits import SEED_MAX, ModelRef, Name, Shown
 
 # -- the ids this api issues -------------------------------------------------------------
 # A session id: 10 hex digits. A model id is what the SDK derives for a model created from a
@@ -54,10 +54,12 @@ SAMPLES_MAX = 128  # num_samples of one sample call
 STOP_MAX = 16  # stop strings or tokens of one sample call
 MAX_TOKENS_MAX = 32_768
 
-Name = Annotated[str, StringConstraints(pattern=NAME_RE)]
-ModelId = Annotated[str, StringConstraints(max_length=64)]
-SessionId = Annotated[str, StringConstraints(max_length=64)]
-Path = Annotated[str, StringConstraints(max_length=512)]
+# Ids and paths are shown to people (dashboard, logs): bounded, no control or format characters.
+CheckpointName = Annotated[str, StringConstraints(pattern=NAME_RE)]
+ModelId = Annotated[str, StringConstraints(max_length=64), Shown]
+SessionId = Annotated[str, StringConstraints(max_length=64), Shown]
+RequestId = Annotated[str, StringConstraints(max_length=128), Shown]
+Path = Annotated[str, StringConstraints(max_length=512), Shown]
 Seq = Annotated[int, Field(ge=0, le=SEQ_MAX)]
 
 
@@ -102,12 +104,12 @@ class Body(BaseModel):
 
 # -- SDK -> api ------------------------------------------------------------------------------
 class ClientConfigRequest(Body):
-    sdk_version: Annotated[str, StringConstraints(max_length=NAME_MAX)] = ""
+    sdk_version: Name = ""
 
 
 class CreateSessionRequest(Body):
-    sdk_version: Annotated[str, StringConstraints(max_length=NAME_MAX)] = ""
-    tags: Annotated[list[Annotated[str, StringConstraints(max_length=NAME_MAX)]], Field(max_length=32)] = []
+    sdk_version: Name = ""
+    tags: Annotated[list[Name], Field(max_length=32)] = []
 
 
 class SessionRef(Body):
@@ -124,19 +126,19 @@ class LoraConfig(Body):
 
 class OptimizerConfig(Body):
     model_config = ConfigDict(extra="allow")
-    type: Annotated[str, StringConstraints(max_length=NAME_MAX)] = "adamw"
+    type: Name = "adamw"
 
 
 class CreateModelRequest(Body):
     session_id: SessionId
     model_seq_id: int = Field(ge=0, le=MODEL_SEQ_MAX)
-    base_model: Annotated[str, StringConstraints(min_length=1, max_length=MODEL_REF_MAX)]
+    base_model: Annotated[ModelRef, StringConstraints(min_length=1)]
     lora_config: LoraConfig | None = None
     optimizer_config: OptimizerConfig = OptimizerConfig()
     user_metadata: dict[str, Any] | None = Field(None, max_length=32)
 
 
-class ModelRef(Body):
+class ModelIdRequest(Body):
     model_id: ModelId
 
 
@@ -161,7 +163,7 @@ class OptimStepRequest(Body):
 class SaveWeightsRequest(Body):
     model_id: ModelId
     seq_id: Seq
-    path: Name | None = None
+    path: CheckpointName | None = None
     ttl_seconds: int | None = Field(None, ge=0)
     overwrite: bool = False
 
@@ -169,7 +171,7 @@ class SaveWeightsRequest(Body):
 class SaveForSamplerRequest(Body):
     model_id: ModelId
     seq_id: Seq
-    path: Name | None = None
+    path: CheckpointName | None = None
     sampling_session_seq_id: int | None = Field(None, ge=0, le=SEQ_MAX)
     kind: Literal["snapshot", "inflight"] = "snapshot"
     ttl_seconds: int | None = Field(None, ge=0)
@@ -185,14 +187,14 @@ class LoadWeightsRequest(Body):
     seq_id: Seq | None = None
     session_id: SessionId | None = None
     model_seq_id: int | None = Field(None, ge=0, le=MODEL_SEQ_MAX)
-    base_model: Annotated[str, StringConstraints(max_length=MODEL_REF_MAX)] | None = None
+    base_model: ModelRef | None = None
 
 
 class CreateSamplingSessionRequest(Body):
     session_id: SessionId
     sampling_session_seq_id: int = Field(ge=0, le=SEQ_MAX)
     model_path: Path | None = None
-    base_model: Annotated[str, StringConstraints(max_length=MODEL_REF_MAX)] | None = None
+    base_model: ModelRef | None = None
 
 
 class EncodedText(Body):
@@ -220,10 +222,10 @@ class SamplingParams(Body):
 
 
 class SampleRequest(Body):
-    sampling_session_id: Annotated[str, StringConstraints(max_length=128)] | None = None
+    sampling_session_id: RequestId | None = None
     seq_id: Seq | None = None
     model_path: Path | None = None
-    base_model: Annotated[str, StringConstraints(max_length=MODEL_REF_MAX)] | None = None
+    base_model: ModelRef | None = None
     num_samples: int = Field(1, ge=1, le=SAMPLES_MAX)
     prompt: ModelInput
     sampling_params: SamplingParams
@@ -233,9 +235,9 @@ class SampleRequest(Body):
 
 
 class FutureRetrieveRequest(Body):
-    request_id: Annotated[str, StringConstraints(max_length=128)]
+    request_id: RequestId
     allow_metadata_only: bool = False
 
 
 class CancelRequest(Body):
-    request_id: Annotated[str, StringConstraints(max_length=128)]
+    request_id: RequestId

@@ -33,7 +33,7 @@ from services.api.tinker.protocol import (
     CreateSessionRequest,
     FutureRetrieveRequest,
     LoadWeightsRequest,
-    ModelRef,
+    ModelIdRequest,
     OptimStepRequest,
     SampleRequest,
     SaveForSamplerRequest,
@@ -179,7 +179,7 @@ def training_router(r: redis.Redis) -> APIRouter:
         return {"request_id": f"{rec.id}.create", "model_id": model_id(req.session_id, req.model_seq_id)}
 
     @router.post("/get_info")
-    def get_info(req: ModelRef) -> dict[str, Any]:
+    def get_info(req: ModelIdRequest) -> dict[str, Any]:
         return models.info(_model(r, req.model_id), req.model_id)
 
     @router.post("/forward_backward")
