@@ -106,11 +106,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--native-staleness",
+        type=int,
+        default=DEMO_SHAPE["max_staleness"],
+        help="the native job's max_staleness (0: it samples each batch on the version it trains, as the SDK loop does)",
+    )
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args()
     model = WORKLOADS[TASK].model
     started, load0 = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), os.getloadavg()
-    res: dict[str, object] = {"steps": a.steps, "samples": a.steps * BATCH * G}
+    res: dict[str, object] = {"steps": a.steps, "samples": a.steps * BATCH * G, "native_staleness": a.native_staleness}
 
     # The SDK side: api, rollout and the trainer's Tinker worker.
     home = Path(tempfile.mkdtemp(prefix="tinker-rl-"))
@@ -135,6 +141,7 @@ def main() -> None:
         "kl_coef": 0.0,  # no ref: the SDK loop has no KL term either
         "eval_size": 0,  # evaluated afterwards, by the one evaluator
         "seed": a.seed,
+        "max_staleness": a.native_staleness,
     }
     with Stack(
         Path(tempfile.mkdtemp(prefix="tinker-rl-native-")), model, roles=["api", "rollout", "reward", "trainer"]
@@ -170,7 +177,7 @@ evaluator for both (tests/support/lab/heldout.py); the base model scores {base:.
 Difference **{acc_sdk - acc_native:+.3f}**: {verdict} the target's 0.05.
 
 The SDK loop is synchronous (sample on the current version, then train on it: on-policy); the native job
-samples ahead of the trainer within max_staleness 1 and corrects for the lag. Wall times are not the
+samples ahead of the trainer within max_staleness {a.native_staleness} and corrects for the lag. Wall times are not the
 comparison here: the SDK loop waits for rollout to adopt each version before it samples it.
 """
     emit(text, a.out, res, figures=figures(res), command=cmd)
@@ -180,7 +187,8 @@ def figures(res: dict) -> list[Figure]:
     """The page's headline figure (bench/run_all.py collects it): the accuracy difference, target 0.05."""
     return [
         figure(
-            f"arith held-out accuracy after {res['steps']} steps: an RL loop on the tinker SDK vs the native job",
+            f"arith held-out accuracy after {res['steps']} steps: an RL loop on the tinker SDK vs the native job "
+            f"(max_staleness {res['native_staleness']})",
             f"{res['acc_sdk']:.3f}",
             f"{res['acc_native']:.3f}",
             None,
