@@ -133,7 +133,9 @@ class TinkerModel:
             targets[b, :n] = rows.inputs[i]["target_tokens"].cpu()
         hidden = model_hidden(self.model, ids.to(self.device), attn.to(self.device))
         weight, bias = head_params(self.model)
-        return chunked_token_logprobs(hidden, weight, targets.to(self.device), chunk=self.chunk, bias=bias)
+        logp = chunked_token_logprobs(hidden, weight, targets.to(self.device), chunk=self.chunk, bias=bias)
+        assert isinstance(logp, torch.Tensor)  # without entropies: one tensor
+        return logp
 
     def forward(self, call: TinkerCall, *, backward: bool) -> TinkerResult:
         rows = self._rows(call.data)
