@@ -68,6 +68,8 @@ def items(full: bool, results: Path) -> list[tuple[str, list[str]]]:
         "omp_wait": ["bench/omp_wait.py", "--rounds", rounds],
         "backlog": ["bench/backlog.py", *s["backlog"]],
         "burst": ["bench/burst.py", *(["--full"] if full else [])],
+        "tinker_overhead": ["bench/tinker_overhead.py", "--steps", "16" if full else "10"],
+        "tinker_rl": ["bench/tinker_rl.py", "--steps", "16"],
     }
     return [(name, [PY, *cmd, "--out", str(results / f"{name}.md")]) for name, cmd in commands.items()]
 

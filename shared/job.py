@@ -168,6 +168,12 @@ class JobSpec(SpecModel):
         default_factory=AgentSpec,
         description="Episodes driven by agents through rollout's OpenAI-compatible endpoint instead of the feeder.",
     )
+    tinker: bool = Field(
+        False,
+        description="A Tinker model (docs/tinker.md): created by the Tinker API, trained by the trainer's Tinker "
+        "worker from its call queue, sampled through rollout; the feeder feeds it nothing and the job trainer "
+        "never claims it. Not for POST /v1/jobs.",
+    )
 
     @field_validator("name")
     @classmethod

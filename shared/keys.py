@@ -29,6 +29,8 @@ GROUP_ROLLOUT = "rollout"
 GROUP_REWARD = "reward"
 GROUP_REF = "ref"
 GROUP_TRAINER = "trainer"
+# Rollout replicas that serve Tinker sample calls (shared/tinker_queue.py) share this group.
+GROUP_TINKER_SAMPLER = "tinker-sampler"
 # Consumers of the trainer's group on the ready stream that are not the trainer: rollout's
 # spillers (services/rollout/spill.py), named SPILL_CONSUMER + the rollout replica id.
 SPILL_CONSUMER = "spill-"
@@ -99,6 +101,43 @@ backlog_index = _per_job(
     "Hash segment id -> JSON {groups, remaining, bytes, v_min, v_max, t_min, t_max, status, created_at}: "
     "the backlog's disk segments a trainer may take groups from (shared/backlog.py).",
 )
+
+# A Tinker model (docs/tinker.md) is a job whose training calls come over the Tinker API.
+tinker_calls = _per_job(
+    "tinker-calls",
+    "Stream api -> trainer's Tinker worker: one entry per training call (`seq`, `call`: a TinkerCall), "
+    "kept until a checkpoint holds its effect (shared/tinker_queue.py).",
+)
+tinker_seqs = _per_job(
+    "tinker-seqs",
+    "Hash seq_id -> digest of the call received under it: a repeat with the same digest is the same request.",
+)
+tinker_state = _per_job(
+    "tinker-state",
+    "Hash: next (the lowest seq_id not received yet), applied (the highest one a trainer applied), "
+    "checkpointed (the highest one a checkpoint holds), versions (policy versions published so far).",
+)
+tinker_results = _per_job(
+    "tinker-results", "Hash seq_id -> TinkerResult of the call, written by the lease holder (fenced)."
+)
+tinker_samples = _per_job(
+    "tinker-samples", "Stream api -> rollout: one entry per Tinker sample call (a SampleCall), read by a group."
+)
+
+
+def tinker_sample_result(job_id: str, request: str) -> str:
+    """String: the SampleResult of a Tinker sample call, written by rollout, expiring (SAMPLE_RESULT_TTL_S)."""
+    return f"{PREFIX}:{job_id}:tinker-sample-result:{request}"
+
+
+def tinker_done(job_id: str, request: str) -> str:
+    """List: a token pushed when a Tinker request's result is written, for the api's long poll."""
+    return f"{PREFIX}:{job_id}:tinker-done:{request}"
+
+
+def tinker_sessions() -> str:
+    """Hash session id -> JSON {created_at, heartbeat_at, sdk_version}: the Tinker API's sessions."""
+    return f"{PREFIX}:tinker:sessions"
 
 
 def eval_claim(job_id: str, version: int) -> str:

@@ -48,6 +48,21 @@ def connect(url: str) -> redis.Redis:
     )
 
 
+def connect_async(url: str, *, longest_block_s: float) -> redis.asyncio.Redis:
+    """An asyncio client for long polls (the Tinker API's retrieve_future): the same timeouts,
+    the read timeout above the longest blocking command it sends."""
+    import redis.asyncio
+
+    return redis.asyncio.Redis.from_url(
+        url,
+        decode_responses=False,
+        socket_timeout=longest_block_s + 10.0,
+        socket_connect_timeout=3.0,
+        health_check_interval=15,
+        retry_on_timeout=False,
+    )
+
+
 def check_server(r: redis.Redis) -> list[str]:
     """Raise RedisPolicyError on an eviction policy; return warnings (e.g. AOF off)."""
     warnings: list[str] = []

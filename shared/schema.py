@@ -139,6 +139,100 @@ class Heartbeat(msgspec.Struct, kw_only=True, omit_defaults=True):
     idle_frac: float | None = None  # rollout: wall time not in the engine over its last window
 
 
+# -- the Tinker API (docs/tinker.md, shared/tinker_queue.py) --------------------------------
+class TinkerTensor(msgspec.Struct, kw_only=True):
+    """One `loss_fn_inputs` tensor of a datum: packed little-endian values and their shape."""
+
+    dtype: str  # "float32" | "int64"
+    shape: list[int]
+    data: bytes
+
+
+class TinkerDatum(msgspec.Struct, kw_only=True):
+    """One datum of a forward(_backward) call: the model input and the loss's inputs, shifted
+    as Tinker defines them (position i of every input belongs to the token predicted there)."""
+
+    tokens: bytes  # int32[N]
+    inputs: dict[str, TinkerTensor] = {}
+
+
+class TinkerCall(Message, tag="tinker_call", kw_only=True):
+    """api -> trainer (Tinker worker): one training call of a Tinker model, applied in `seq` order.
+
+    kind: forward | forward_backward | optim_step | save_state | load_state | save_for_sampler.
+    """
+
+    seq: int
+    kind: str
+    request_id: str
+    loss_fn: str = ""
+    loss_config: dict[str, float] = {}
+    data: list[TinkerDatum] = []
+    adam: dict[str, float] = {}
+    name: str = ""  # save_state / save_for_sampler: the checkpoint's name; load_state: its job and name
+    source_job: str = ""  # load_state: the model whose checkpoint is loaded
+    optimizer: bool = False  # load_state: also the optimizer's state
+    at: float = 0.0
+
+
+class TinkerResult(Message, tag="tinker_result", kw_only=True):
+    """trainer -> api: what a Tinker call returned. `error` set: it failed (category user or
+    server) and changed nothing. `outputs`: per datum, name -> float32 values (logprobs,
+    elementwise_loss); `body`: the JSON response of the other calls."""
+
+    seq: int
+    error: str = ""
+    category: str = ""
+    outputs: list[dict[str, bytes]] = []
+    metrics: dict[str, float] = {}
+    body: dict[str, Any] = {}
+
+
+class SampleCall(Message, tag="tinker_sample", kw_only=True):
+    """api -> rollout: one Tinker sample call on a policy version of a Tinker model's job."""
+
+    request_id: str
+    version: int
+    prompt: bytes  # int32[P]
+    num_samples: int
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: list[str] = []
+    stop_tokens: list[int] = []
+    prompt_logprobs: bool = False
+    at: float = 0.0
+
+
+class SampleResult(Message, tag="tinker_sample_result", kw_only=True):
+    """rollout -> api: the sequences of a sample call (tokens int32, log-probs float32), or its error."""
+
+    request_id: str
+    error: str = ""
+    category: str = ""
+    tokens: list[bytes] = []
+    logprobs: list[bytes] = []
+    stop_reasons: list[str] = []  # "stop" | "length"
+    prompt_logprobs: bytes = b""  # float32[P], NaN at position 0
+
+
+TinkerMessage = TinkerCall | TinkerResult | SampleCall | SampleResult
+_tinker_decoder = msgspec.msgpack.Decoder(TinkerMessage)
+M = TypeVar("M", TinkerCall, TinkerResult, SampleCall, SampleResult)
+
+
+def decode_tinker(data: bytes, expected: type[M]) -> M:
+    """Decode a Tinker message and check its type and schema version."""
+    msg = _tinker_decoder.decode(data)
+    if not isinstance(msg, expected):
+        raise TypeError(f"expected {expected.__name__}, got {type(msg).__name__}")
+    if msg.v != SCHEMA_VERSION:
+        raise TypeError(f"schema version {msg.v} is not {SCHEMA_VERSION}")
+    return msg
+
+
 # Top level flat (one series per key); a value may be a small dict or list (histograms, parts).
 MetricValue = float | int | str | bool | None | dict[str, Any] | list[Any]
 

@@ -12,6 +12,7 @@ from fastapi.staticfiles import StaticFiles
 
 from services.api import bursts, http_limits, jobs, overview, recovery
 from services.api.checks import SpecProblem
+from services.api.tinker import routes as tinker_routes
 from shared import keys
 from shared.backlog import budget_problem
 from shared.domain.envs import load_env_plugins
@@ -84,6 +85,18 @@ def build_routes(rt: ServiceRuntime, store: ObjectStore | None = None) -> FastAP
         """Submit a job. Besides the spec's own ranges, it is checked against what is registered
         (task, verifiers and their args, environment), its prompt source (read here) and the
         context of the rollout replicas serving its base model: a 422 names the field."""
+        if spec.tinker:
+            raise HTTPException(
+                422,
+                [
+                    {
+                        "type": "value_error",
+                        "loc": ["body", "tinker"],
+                        "msg": "Tinker models are "
+                        "created through the Tinker API (POST /api/v1/create_model, docs/tinker.md)",
+                    }
+                ],
+            )
         if store is not None and (why := budget_problem(spec, store)):  # a budget this deployment cannot hold
             raise HTTPException(422, [{"type": "value_error", "loc": ["body", "backlog", "max_bytes"], "msg": why}])
         try:
@@ -211,6 +224,7 @@ def build_routes(rt: ServiceRuntime, store: ObjectStore | None = None) -> FastAP
 
     http_limits.install(rt.app)
     rt.app.include_router(router)
+    tinker_routes.install(rt)  # the Tinker API, under /api/v1 (docs/tinker.md)
     _protect_openapi(rt)
     _mount_dashboard(rt.app)
     return rt.app

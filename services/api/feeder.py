@@ -104,7 +104,7 @@ class Feeder:
             return 0
         if rec.state != JobState.running:
             return 0
-        if rec.spec.agent.enabled:  # its groups come from agents, through rollout (docs/agents.md)
+        if rec.spec.agent.enabled or rec.spec.tinker:  # groups come from agents (docs/agents.md); none for Tinker
             return 0
         if not self._budget_holds(rec):
             return 0

@@ -67,6 +67,11 @@ class SamplingConfig:
     # Keep a stop string in the text (multi-turn: a tool call's closing tag is part of what
     # the model produced, and the token ids hold it anyway).
     include_stop: bool = False
+    # What a Tinker sample call may add (services/rollout/tinker_sampling.py): stop token ids,
+    # top-k (-1: off) and a per-request seed.
+    stop_token_ids: tuple[int, ...] = ()
+    top_k: int = -1
+    seed: int | None = None
 
 
 @dataclass
@@ -329,6 +334,9 @@ class InProcessEngine:
             max_tokens=cfg.max_tokens,
             stop=list(cfg.stop) or None,
             include_stop_str_in_output=cfg.include_stop,
+            stop_token_ids=list(cfg.stop_token_ids) or None,
+            top_k=cfg.top_k,
+            seed=cfg.seed,
             logprobs=0,
         )
         loras = [self._lora(a) for a in adapters]
@@ -499,6 +507,12 @@ class RemoteEngine(OpenAIClient):
             body["stop"] = list(cfg.stop)
             if cfg.include_stop:
                 body["include_stop_str_in_output"] = True  # a vLLM extension field (0.11 has it)
+        if cfg.stop_token_ids:
+            body["stop_token_ids"] = list(cfg.stop_token_ids)  # vLLM extension fields, as above
+        if cfg.top_k != -1:
+            body["top_k"] = cfg.top_k
+        if cfg.seed is not None:
+            body["seed"] = cfg.seed
         out = self._json("/v1/completions", body)
         choices = sorted(out["choices"], key=lambda c: c["index"])
         prompt_ids = choices[0].get("prompt_token_ids") if choices else None

@@ -8,7 +8,8 @@ Each tick:
 4. run one generation round over the served jobs' prompts (services/rollout/generation.py),
    adopting first any version published meanwhile;
 5. run the agent turns queued by the OpenAI-compatible endpoint, drop agent groups past their
-   deadline (services/rollout/agents.py).
+   deadline (services/rollout/agents.py), and the Tinker API's sample calls
+   (services/rollout/tinker_sampling.py).
 An evaluation round and a generation round are of similar size, so a version published at
 any moment is adopted within one round of each, however long an evaluation runs.
 
@@ -32,6 +33,7 @@ from services.rollout.generation import Generator
 from services.rollout.reporting import Reporter
 from services.rollout.served import Leases, ServedJob
 from services.rollout.settings import RolloutSettings
+from services.rollout.tinker_sampling import TinkerSampler
 from shared import keys
 from shared.domain.envs import load_env_plugins
 from shared.job import JobRecord, UnreadableJob, load_job, same_model
@@ -55,6 +57,7 @@ class RolloutWorker:
         self.evaluator = Evaluator(rt, settings, self.leases)
         self.generator = Generator(rt, settings, self.bus, self.leases, self.adopter.adopt_latest)
         self.agents = AgentServer(rt, settings.model, self.leases, self.jobs)
+        self.tinker = TinkerSampler(rt, self.leases, self.jobs, settings.replica)
 
     # -- the loop --------------------------------------------------------------------
     def tick(self) -> None:
@@ -65,10 +68,12 @@ class RolloutWorker:
         try:
             self.refresh_jobs()
             self.agents.step()
+            self.tinker.step()
             self.evaluator.step(self.jobs)
             # While an evaluation has rounds left, do not wait for prompts: its next round is due;
-            # while agents have groups open, their next turn is due within a few tens of ms.
-            busy = self.evaluator.generating or self.agents.active
+            # while agents have groups open (or Tinker models are served), their next turn (sample
+            # call) is due within a few tens of ms.
+            busy = self.evaluator.generating or self.agents.active or self.tinker.active
             self.generator.generate_once(self.jobs, block_ms=1 if self.evaluator.generating else 20 if busy else 500)
             self.agents.step()
         except EngineUnavailable as e:  # entries stay pending: replayed once the engine is back

@@ -32,20 +32,29 @@ def claim_job(rt: ServiceRuntime, settings: TrainerSettings, store: ObjectStore)
         except UnreadableJob as e:
             log.error("%s; skipped", e)
             continue
-        if rec is None or rec.state != JobState.running:
+        if rec is None or rec.state != JobState.running or rec.spec.tinker:  # Tinker models: services/trainer/tinker
             continue
-        lease = Lease(rt.redis, job_id, settings.replica, settings.lease_s)
-        if not lease.acquire(floor=max_epoch(store, job_id)):  # never an epoch the store has seen
-            continue
-        try:
-            version = latest_version(store, job_id)
-            ckpt = latest_checkpoint(store, job_id)
-            record_takeover(
-                store, job_id, lease.epoch, lease.token, version=version, checkpoint=-1 if ckpt is None else ckpt
-            )
-        except BaseException:
-            lease.release()
-            raise
-        log.info("job %s: lease taken (epoch %d; store has v%d, checkpoint %s)", job_id, lease.epoch, version, ckpt)
-        return rec, lease
+        lease = take_lease(rt, settings, store, job_id)
+        if lease is not None:
+            return rec, lease
     return None
+
+
+def take_lease(rt: ServiceRuntime, settings: TrainerSettings, store: ObjectStore, job_id: str) -> Lease | None:
+    """The job's lease if it is free (None if another trainer holds it), its takeover recorded
+    in the store before anything else is written: from now on a deposed holder's writes are
+    refused by every reader."""
+    lease = Lease(rt.redis, job_id, settings.replica, settings.lease_s)
+    if not lease.acquire(floor=max_epoch(store, job_id)):  # never an epoch the store has seen
+        return None
+    try:
+        version = latest_version(store, job_id)
+        ckpt = latest_checkpoint(store, job_id)
+        record_takeover(
+            store, job_id, lease.epoch, lease.token, version=version, checkpoint=-1 if ckpt is None else ckpt
+        )
+    except BaseException:
+        lease.release()
+        raise
+    log.info("job %s: lease taken (epoch %d; store has v%d, checkpoint %s)", job_id, lease.epoch, version, ckpt)
+    return lease

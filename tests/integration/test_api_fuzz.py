@@ -23,7 +23,8 @@ from services.api.settings import ApiSettings
 from shared.service import ServiceRuntime
 
 TOKEN = "fuzz-test-token-0123456789abcdef"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
+# The Tinker API (/api/v1, docs/tinker.md) authenticates the tinker SDK's way, the rest by bearer token.
+AUTH = {"Authorization": f"Bearer {TOKEN}", "X-API-Key": f"tml-{TOKEN}"}
 # Per operation and mode. Small by default (2 shared cores in CI); raise it to hunt deeper.
 EXAMPLES = int(os.environ.get("BURSTRL_FUZZ_EXAMPLES", "30"))
 
@@ -107,6 +108,23 @@ def test_every_route_but_health_and_static_needs_the_token(app):
                 public.append(route.path)
                 continue
             url = _concrete(route.path)
+            if route.path.startswith("/api/v1/"):  # the Tinker API: the SDK's X-API-Key, `tml-` + the token
+                wrong = (
+                    {},
+                    {"X-API-Key": TOKEN},
+                    {"X-API-Key": "tml-wrong-token"},
+                    {"Authorization": f"Bearer {TOKEN}"},
+                )
+                for headers in wrong:
+                    resp = client.request(method, url, headers=headers, json={})
+                    assert resp.status_code == 401 and "X-API-Key" in resp.text, (
+                        method,
+                        url,
+                        headers,
+                        resp.status_code,
+                    )
+                checked.append((method, route.path))
+                continue
             for headers in ({}, {"Authorization": "Bearer wrong-token"}, {"Authorization": TOKEN}):
                 resp = client.request(method, url, headers=headers, json={})
                 assert resp.status_code == 401, (method, url, headers, resp.status_code)
