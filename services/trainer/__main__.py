@@ -157,11 +157,12 @@ def _follower(settings: TrainerSettings, store, comm) -> None:  # noqa: ANN001
     from services.trainer.loop import JobTrainer
     from shared.job import JobRecord
     from shared.redis_conn import connect
+    from shared.service import Health
 
     # torchrun forwards SIGTERM to every rank; a follower must outlive it so that rank 0's
     # exit checkpoint and its final STOP broadcast can complete.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    rt = SimpleNamespace(redis=connect(settings.redis_url), stop=threading.Event(), gauges={})
+    rt = SimpleNamespace(redis=connect(settings.redis_url), stop=threading.Event(), gauges={}, health=Health())
     while comm.broadcast_int(0) == CMD_STEP:
         rec = JobRecord.model_validate_json(comm.broadcast_bytes(None)[0])
         JobTrainer(rt, settings, store, rec, comm=comm).run()  # type: ignore[arg-type]

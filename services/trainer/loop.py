@@ -46,7 +46,7 @@ from services.trainer.learner import Aborted, Learner, TrainResult
 from services.trainer.optim import check_resume
 from services.trainer.policy import load_policy, load_policy_files, policy_files
 from services.trainer.probe import compute_probe
-from services.trainer.progress import JobStuck, StaleStreak, clear_failures
+from services.trainer.progress import BatchWait, JobStuck, StaleStreak, clear_failures
 from services.trainer.publishing import Publisher
 from services.trainer.retention import Retention, prune_versions
 from services.trainer.settings import TrainerSettings
@@ -61,6 +61,7 @@ from services.trainer.sharding import (
 from services.trainer.sources import Ref, SegmentRef, Sources
 from services.trainer.step_report import Session, StepTimes, step_point, zero_variance
 from shared import keys
+from shared.backlog import held_back
 from shared.bus import Bus
 from shared.job import JobRecord, JobState, load_job, set_state
 from shared.lease import Lease, LeaseKeeper, LeaseLost
@@ -158,6 +159,7 @@ class JobTrainer:
             probe_tolerance=settings.republish_probe_tolerance,
         )
         self.session = Session(process_start=start, epoch=lease.epoch if lease else 0, replica=settings.replica, step=0)
+        self.waiting = BatchWait(self.r, rec, rt.health, report_s=settings.wait_report_s)
         self.progress = StaleStreak(
             max_staleness=staleness_limit(spec),
             limit=settings.stuck_groups,
@@ -222,9 +224,21 @@ class JobTrainer:
                     log.warning("job %s: stopping at step %d: %s", self.rec.id, self.state.step, self.exit_reason)
                     return
                 need = spec.batch_size - len(self.pending)
+                if self.since_ckpt and (why := self._held_back()):
+                    # What we trained fills the window: only its checkpoint (and ack) frees room.
+                    dt = self._checkpoint()
+                    log.info(
+                        "job %s: checkpoint at step %d (%.2fs) before checkpoint_every: %s",
+                        self.rec.id,
+                        self.state.step,
+                        dt,
+                        why,
+                    )
                 entries = self.src.read(need, first)
                 first = False
                 self._admit(entries)
+                if len(self.pending) < spec.batch_size:
+                    self.waiting.check(time.time() - t_wait, len(self.pending), len(self.since_ckpt))
                 if len(self.pending) >= spec.batch_size:
                     if self._out_of_budget(about_to_step=True):
                         break
@@ -357,6 +371,12 @@ class JobTrainer:
         if why := self.progress.stuck():
             raise JobStuck(why)
 
+    def _held_back(self) -> str:
+        """Why the next batch cannot form before the groups trained since the last checkpoint are
+        acknowledged ("" when it can): shared/backlog.py, `held_back`."""
+        led = read_ledger(self.r, self.rec.id)
+        return held_back(self.r, self.rec, led, trained_unacked=len(self.since_ckpt))
+
     def _ack(self, entries: list[Ref], counter: str) -> None:
         """Acknowledge with one ledger count each, as the lease holder (raises LeaseLost if not)."""
         self.src.ack(entries, counter)
@@ -406,6 +426,7 @@ class JobTrainer:
         t_pub = time.time() - t0 - t_train - t_ckpt
         self.step_times.append(t_train + t_pub)
         self.progress.trained()
+        self.waiting.stepped()
         if self.state.step == 1 or checkpointed:
             clear_failures(self.r, self.rec.id)  # it loads and trains: earlier failures were transient
         self._record(items, res, wait_s=wait_s, t_train=t_train, t_pub=t_pub, t_ckpt=t_ckpt, checkpointed=checkpointed)
