@@ -2,7 +2,11 @@
 
 Keys are '/'-separated. Writes are atomic per object (file: write to a temp file then
 rename; S3: a PUT is atomic), which is what "a version exists once its manifest
-does" builds on. S3 endpoint and credentials come from the environment:
+does" builds on. A folder's files go under a write-once subfolder its manifest names
+(`put_folder`'s `data_dir`), so a writer that outlived its lease can never overwrite a file
+another writer's manifest names (docs/architecture.md, invariant 10).
+
+S3 endpoint and credentials come from the environment:
 STORE_ENDPOINT_URL (or AWS_ENDPOINT_URL), AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
 AWS_REGION — so MinIO, R2 and S3 all work.
 """
@@ -12,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -182,6 +187,23 @@ def open_store(url: str) -> ObjectStore:
     raise StoreError(f"STORE_URL {url!r}: scheme must be file:// or s3://")
 
 
+def new_data_dir(epoch: int) -> str:
+    """A subfolder name no other write uses: the writer's lease epoch (for whoever inspects the
+    store) and a random part (two writes of one holder, or unfenced writers, never share it)."""
+    return f"e{int(epoch)}-{secrets.token_hex(6)}"
+
+
+def data_prefix(prefix: str, data_dir: str) -> str:
+    """Where a folder's files are: under `data_dir` when its manifest names one, else (the layout
+    written before write-once subfolders) beside the manifest. `data_dir` comes from a manifest,
+    which a reader must not trust: it must be one plain name."""
+    if not data_dir:
+        return prefix
+    if not isinstance(data_dir, str) or "/" in data_dir or "\\" in data_dir or data_dir in (".", ".."):
+        raise VerificationError(f"{prefix}: manifest's data_dir {data_dir!r} is not a plain folder name")
+    return f"{prefix}/{data_dir}"
+
+
 def put_folder(
     store: ObjectStore,
     prefix: str,
@@ -189,6 +211,7 @@ def put_folder(
     meta: dict[str, Any],
     *,
     before_manifest: Callable[[], None] | None = None,
+    data_dir: str = "",
 ) -> dict[str, Any]:
     """Write files, then manifest.json (meta + each file's sha256) last.
 
@@ -196,10 +219,17 @@ def put_folder(
     Policy versions and trainer checkpoints are both such folders. `before_manifest` runs
     between the files and the manifest and may raise to leave the folder nonexistent (the
     trainer checks it still holds its lease there: a long upload may have outlived it).
+
+    `data_dir` (`new_data_dir`): the files go to prefix/data_dir/, which the manifest names. A
+    writer frozen mid-upload that wakes after another wrote the same folder then writes only
+    into its own subfolder: it can never overwrite a file the other's manifest names (it did:
+    a deposed trainer's late optimizer file broke its successor's checkpoint).
     """
-    manifest = {**meta, "files": {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}}
+    digests = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+    manifest = {**meta, **({"data_dir": data_dir} if data_dir else {}), "files": digests}
+    base = data_prefix(prefix, data_dir)
     for name, data in files.items():
-        store.put(f"{prefix}/{name}", data)
+        store.put(f"{base}/{name}", data)
     if before_manifest is not None:
         before_manifest()
     store.put(f"{prefix}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
@@ -209,7 +239,13 @@ def put_folder(
 def get_folder(store: ObjectStore, prefix: str) -> tuple[dict[str, Any], dict[str, bytes]]:
     """The manifest and every file of a folder, each checked against its sha256."""
     manifest = json.loads(store.get(f"{prefix}/{MANIFEST}"))
-    return manifest, get_files(store, prefix, manifest["files"])
+    return manifest, get_files(store, data_prefix(prefix, manifest.get("data_dir", "")), manifest["files"])
+
+
+def folder_file(store: ObjectStore, prefix: str, name: str) -> str:
+    """The key of file `name` of a folder, as its manifest places it."""
+    manifest = json.loads(store.get(f"{prefix}/{MANIFEST}"))
+    return f"{data_prefix(prefix, manifest.get('data_dir', ''))}/{name}"
 
 
 def get_files(store: ObjectStore, prefix: str, digests: dict[str, str]) -> dict[str, bytes]:

@@ -34,7 +34,7 @@ from shared.job import JobRecord, JobState, insert_job
 from shared.ledger import init_ledger
 from shared.policy import init_pointer
 from shared.schema import decode_heartbeat
-from shared.store import MANIFEST, ObjectStore, StoreError
+from shared.store import MANIFEST, ObjectStore, StoreError, data_prefix
 
 log = logging.getLogger(__name__)
 JOB_FILE = "job.json"
@@ -79,7 +79,7 @@ def _newest_checkpoint(store: ObjectStore, job_id: str) -> tuple[int, int]:
         prefix = f"jobs/{job_id}/trainer/step-{step:08d}"
         try:
             manifest = json.loads(store.get(f"{prefix}/{MANIFEST}"))
-            raw = store.get(f"{prefix}/state.json")
+            raw = store.get(f"{data_prefix(prefix, manifest.get('data_dir', ''))}/state.json")
             if hashlib.sha256(raw).hexdigest() != manifest["files"]["state.json"]:
                 continue
             return step, int(json.loads(raw).get("data", {}).get("groups_trained", 0))
