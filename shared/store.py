@@ -18,6 +18,7 @@ import json
 import os
 import secrets
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -105,14 +106,30 @@ class FileStore:
     def delete(self, key: str) -> None:
         p = self._path(key)
         p.unlink(missing_ok=True)
-        # Like S3, a folder exists only while it holds objects: remove the ones left empty.
+        # Like S3, a folder exists only while it holds objects: remove the ones left empty. A
+        # crashed write's temporary file is not an object: one left untouched for STALE_TMP_S goes
+        # too (a folder holding only that was never removed, and every orphan sweep "deleted" it
+        # again).
         for parent in p.parents:
             if parent == self.root or self.root not in parent.parents:
                 break
             try:
+                _drop_stale_temps(parent)
                 parent.rmdir()
             except OSError:  # not empty (or already gone)
                 break
+
+
+STALE_TMP_S = 600.0  # a temporary file untouched this long belongs to a write that died (one put is one write)
+
+
+def _drop_stale_temps(folder: Path) -> None:
+    """Delete the temporary files of dead writes in `folder`, if it holds nothing else."""
+    entries = list(folder.iterdir())
+    cutoff = time.time() - STALE_TMP_S
+    if all(e.name.startswith(".tmp-") and e.is_file() and e.stat().st_mtime < cutoff for e in entries):
+        for e in entries:
+            e.unlink(missing_ok=True)
 
 
 class S3Store:

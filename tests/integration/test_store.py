@@ -49,3 +49,13 @@ def test_version_without_manifest_does_not_exist(store):
 def test_file_store_rejects_escaping_keys(tmp_path):
     with pytest.raises(StoreError):
         FileStore(tmp_path).put("../outside", b"x")
+
+
+def test_a_folder_being_written_keeps_its_temporary_file(tmp_path):
+    """delete() removes a crashed write's stale temp file with its emptied folder, never a live one."""
+    store = FileStore(tmp_path / "s")
+    store.put("a/b/x", b"1")
+    live = tmp_path / "s" / "a" / "b" / ".tmp-live"
+    live.write_bytes(b"a write in progress")
+    store.delete("a/b/x")
+    assert live.exists() and store.list("a/") == []
