@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from shared import __version__, http_errors, keys
+from shared import __version__, http_errors, keys, redact
 from shared.bus import Bus
 from shared.dataset import DatasetGuard
 from shared.http_errors import SafeJSONResponse
@@ -37,11 +37,13 @@ log = logging.getLogger(__name__)
 
 
 def setup_logging(role: str) -> None:
+    """The service's log format, with its secrets masked in every line and traceback (shared/redact.py)."""
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s {role:<7} %(levelname)-5s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    redact.install()
 
 
 class Health:
@@ -55,6 +57,7 @@ class Health:
         """`scope="job"`: a problem of one job (say, a refused policy version), shown in the
         checks and as `degraded`, but not a reason to call the whole service unready: its
         other jobs are served, and an orchestrator restarting it would fix nothing."""
+        reason = redact.scrub(reason)  # /readyz and the heartbeat show it to anyone
         with self._lock:
             prev = self._checks.get(name)
             self._checks[name] = (ok, reason, scope)

@@ -6,7 +6,7 @@ does" builds on. A folder's files go under a write-once subfolder its manifest n
 (`put_folder`'s `data_dir`), so a writer that outlived its lease can never overwrite a file
 another writer's manifest names (docs/architecture.md, invariant 10).
 
-S3 endpoint and credentials come from the environment:
+S3 endpoint and credentials come from the environment (never from STORE_URL):
 STORE_ENDPOINT_URL (or AWS_ENDPOINT_URL), AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
 AWS_REGION — so MinIO, R2 and S3 all work.
 """
@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
+
+from shared.redact import redact_url
 
 
 class StoreError(RuntimeError):
@@ -199,9 +201,14 @@ def open_store(url: str) -> ObjectStore:
         return FileStore(Path(u.netloc + u.path))
     if u.scheme == "s3":
         if not u.netloc:
-            raise StoreError(f"STORE_URL {url!r} has no bucket: use s3://bucket/prefix")
+            raise StoreError(f"STORE_URL {redact_url(url)!r} has no bucket: use s3://bucket/prefix")
+        if u.password is not None:  # S3 credentials come from the environment, never the URL
+            raise StoreError(
+                f"STORE_URL {redact_url(url)!r} carries credentials: give them in AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY instead"
+            )
         return S3Store(u.netloc, u.path)
-    raise StoreError(f"STORE_URL {url!r}: scheme must be file:// or s3://")
+    raise StoreError(f"STORE_URL {redact_url(url)!r}: scheme must be file:// or s3://")
 
 
 def new_data_dir(epoch: int) -> str:
