@@ -223,17 +223,36 @@ class ServiceRuntime:
             claim_idle_ms=int(self.settings.claim_idle_s * 1000),
         )
 
-    def run(self, tick: Callable[[], None], *, close: Callable[[], None] | None = None) -> None:
+    def run(
+        self,
+        tick: Callable[[], None],
+        *,
+        close: Callable[[], None] | None = None,
+        watch: Callable[[], None] | None = None,
+    ) -> None:
         """A service's main loop: `tick` under `survive` until stopped (SIGTERM), then `close`
         (what the worker holds: an engine, scoring processes) and `shutdown`, which runs even if
-        `close` raises: the replica's heartbeat and HTTP server must not outlive its worker."""
+        `close` raises: the replica's heartbeat and HTTP server must not outlive its worker.
+
+        `watch`: read-only checks run before every tick, also while the worker pauses because
+        Redis lost its dataset (the api's orphan check: it is how the loss shows from the store,
+        and it stayed `ok` while paused with the rest)."""
         try:
             while not self.stop.is_set():
+                if watch is not None:
+                    self._watch(watch)
                 self.survive(tick)
             if close is not None:
                 close()
         finally:
             self.shutdown()
+
+    def _watch(self, watch: Callable[[], None]) -> None:
+        try:
+            watch()
+        except Exception as e:  # a check that cannot run says so in the log; the worker goes on
+            self.errors.labels("watch").inc()
+            log.warning("check failed: %s: %s", type(e).__name__, e)
 
     def survive(self, fn: Callable[[], None], *, backoff_s: float = 1.0) -> None:
         """Run one worker iteration; on error, report it and back off instead of dying.

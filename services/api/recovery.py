@@ -15,6 +15,9 @@ purpose (`jobs/{job}/deleted.json`), is orphaned: Redis lost it. The api lists o
   simply feeds on from there (some prompts of the lost window are sampled again);
 - then a new dataset id that supersedes the ids the running services remember, so they
   adopt it and carry on (shared/dataset.py).
+
+Any key of the job that something wrote into the emptied Redis before it paused (services
+pause on a lost dataset, but a step in progress may finish) is deleted first.
 """
 
 from __future__ import annotations
@@ -115,6 +118,10 @@ def recover_jobs(r: redis.Redis, store: ObjectStore, job_ids: list[str] | None =
         rec.error = (
             f"recovered from the store after Redis lost it: resumes at checkpoint step {max(0, o.checkpoint_step)}"
         )
+        # Whatever was written into the emptied Redis for this job since (a late metric point, a
+        # lease) goes first: the job starts again from the store alone.
+        for key in list(r.scan_iter(match=keys.job_key_pattern(rec.id), count=500)):
+            r.delete(key)
         Bus.ensure_groups(r, rec.id)
         pipe = r.pipeline(transaction=True)
         insert_job(pipe, rec)

@@ -149,6 +149,7 @@ class JobTrainer:
         self.save_times: deque[float] = deque(maxlen=5)
         self.publish_times: deque[float] = deque(maxlen=5)
         self.exit_reason = ""
+        self.lease_lost = ""  # why the lease was lost, if it was (the trainer's `job` check says it)
         self.publisher = Publisher(
             store,
             self.r,
@@ -260,10 +261,11 @@ class JobTrainer:
             self.exit_reason = "job cannot make progress"
             return
         except LeaseLost as e:
-            # Another trainer owns the job now: whatever we trained since our last checkpoint
-            # stays unacknowledged for it, and nothing of ours may be written any more.
+            # Another trainer owns the job now, or Redis lost the lease with its data: whatever we
+            # trained since our last checkpoint stays unacknowledged, and nothing of ours may be
+            # written any more.
             log.error("%s; stopping without writing anything more", e)
-            self.exit_reason = "lost the lease"
+            self.exit_reason, self.lease_lost = "lost the lease", str(e)
             return
         finally:
             self.src.close()
@@ -280,6 +282,11 @@ class JobTrainer:
 
     def _session_point(self, event: str) -> None:
         """The burst timeline: when this trainer held the job, what it cost and what it trained."""
+        if lost := self._redis_lost():
+            # Written into an emptied Redis, the point would recreate keys of a job it no longer
+            # knows, and they would outlive a recovery (invariant 11: losing state is loud, not papered over).
+            log.warning("job %s: session %s not recorded: %s", self.rec.id, event, lost)
+            return
         try:
             record_session_point(self.r, self.rec.id, self.session.point(event, reason=self.exit_reason))
         except redis.RedisError as e:  # a report, not a correctness matter: never mask the real exit
@@ -391,7 +398,14 @@ class JobTrainer:
         if self.keeper is not None:
             self.keeper.check()
         if not self.lease.held():
-            raise LeaseLost(f"job {self.rec.id}: lease lost (another trainer holds it now)")
+            why = self.lease.lost_reason()
+            if lost := self._redis_lost():
+                why += f"; {lost}"
+            raise LeaseLost(f"job {self.rec.id}: lease lost: {why}")
+
+    def _redis_lost(self) -> str:
+        """Why Redis no longer holds the dataset this service started on ("" while it does)."""
+        return self.rt.dataset.check()
 
     def _step(self, items: list[tuple[Ref, GroupMsg]], wait_s: float) -> None:
         spec = self.rec.spec
