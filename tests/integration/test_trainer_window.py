@@ -152,7 +152,7 @@ def test_a_waiting_trainer_says_what_holds_the_batch_up(r, tmp_path, model_dir):
         assert check()["ok"] is True
     finally:
         t.rt.stop.set()
-        stop_all(feed, sampler) if sampler.is_alive() else stop_all(feed)
+        stop_all(feed, sampler)
         worker.join(timeout=30)
 
 

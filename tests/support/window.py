@@ -57,7 +57,9 @@ class FeedLoop(threading.Thread):
 
 
 def stop_all(*threads: Sampler | FeedLoop) -> None:
+    """Stop and join each of `threads` that was started."""
     for t in threads:
         t.stop.set()
     for t in threads:
-        t.join(timeout=10)
+        if t.ident is not None:
+            t.join(timeout=10)
