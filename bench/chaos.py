@@ -168,6 +168,7 @@ class Chaos:
 
     def corrupt_adapter(self) -> None:
         from shared.policy import Manifest, publish_version, version_prefix
+        from shared.store import folder_file
 
         v0, t0 = self.version(), time.time()
         v = v0 + 2  # ahead of the trainer, which is at most publishing v0 + 1
@@ -181,7 +182,9 @@ class Chaos:
         except Exception as e:  # noqa: BLE001
             print(f"chaos: could not write the corrupt adapter: {e}", flush=True)
             return
-        self.store.put(f"{version_prefix(self.job, v)}/adapter_model.safetensors", os.urandom(8192))
+        self.store.put(
+            folder_file(self.store, version_prefix(self.job, v), "adapter_model.safetensors"), os.urandom(8192)
+        )
         self.corrupt_version = v
         self.record("corrupt adapter (version ahead of the trainer)", t0, v0, corrupt_version=v)
 

@@ -242,6 +242,29 @@ def feed_room(r: redis.Redis, rec: JobRecord, led: dict[str, int]) -> tuple[int,
     return min(room, hot_room), ""
 
 
+def held_back(r: redis.Redis, rec: JobRecord, led: dict[str, int], *, trained_unacked: int) -> str:
+    """Why the trainer's next batch can never form until it acknowledges the groups it has
+    trained ("" when it can), `trained_unacked` being how many it trained since its last
+    checkpoint (`led`: read_ledger's view, in_flight included).
+
+    Those groups count as in flight until the checkpoint holding them is stored (invariant 2),
+    so they take room in the window (invariant 4). When the feeder has no room (`feed_room`)
+    and the groups in flight that are not yet trained are fewer than a batch, nothing more
+    comes until the trainer checkpoints and acknowledges: with checkpoint_every above
+    max_staleness + 1 a windowed job stalled there for good. The trainer checkpoints at once
+    when this says so (services/trainer/loop.py)."""
+    untrained = led["in_flight"] - trained_unacked
+    if untrained >= rec.spec.batch_size:
+        return ""
+    room, why = feed_room(r, rec, led)
+    if room > 0:
+        return ""
+    return (
+        f"{why}; {trained_unacked} of the {led['in_flight']} groups in flight are trained and wait for a "
+        f"checkpoint, and the other {untrained} are fewer than a batch ({rec.spec.batch_size})"
+    )
+
+
 def summary(r: redis.Redis, rec: JobRecord, pointer: int, led: dict[str, int]) -> dict[str, Any] | None:
     """The backlog as the dashboard, /metrics and `burstrl status` show it (None: no backlog)."""
     b = rec.spec.backlog

@@ -7,7 +7,9 @@ Guarantees (docs/architecture.md, invariants 2, 3, 8):
   redone) — and only by the consumer whose XACK removed it from the pending list, so a
   slow consumer presumed dead cannot hand an entry on twice (`settle()`);
 - entries left pending by a dead consumer are reclaimed with XAUTOCLAIM once idle
-  longer than the slowest handler (`claim_idle_ms`);
+  longer than the slowest handler (`claim_idle_ms`); a consumer that keeps entries pending
+  across reads (the trainer, until its checkpoint) claims only other consumers' entries, never
+  its own, which it holds on purpose (a delivery counted each pass dead-lettered them);
 - an entry delivered more than `max_deliveries` times, or one that does not decode,
   goes to the job's dead-letter stream with its reason, and the stage carries on;
 - `trim_acked()` deletes only entries every group has acknowledged, so Redis memory is
@@ -241,24 +243,15 @@ class Bus:
         self._last_claim = now
         out: list[Entry] = []
         for stream in streams:
+            if not self.redo_own_pending:
+                out += self._claim_from_others(stream, count)
+                continue
             # Poison first: entries delivered too often go to the dead-letter stream.
             stale = self.r.xpending_range(stream, self.group, min="-", max="+", count=count, idle=self.claim_idle_ms)
-            if self.redo_own_pending:
-                stale += self.r.xpending_range(
-                    stream, self.group, min="-", max="+", count=count, consumername=self.consumer
-                )
-            poison = {
-                _s(p["message_id"]): p["times_delivered"] for p in stale if p["times_delivered"] >= self.max_deliveries
-            }
-            for eid, n in poison.items():
-                self._dead_letter_id(stream, eid, n)
-            if not self.redo_own_pending:
-                _, got, _ = self.r.xautoclaim(stream, self.group, self.consumer, self.claim_idle_ms, "0-0", count=count)
-                claimed = [Entry(stream, _s(eid), f.get(FIELD, b"")) for eid, f in got if f]
-                if claimed:
-                    log.warning("reclaimed %d entries left by a dead consumer", len(claimed))
-                    out += claimed
-                continue
+            stale += self.r.xpending_range(
+                stream, self.group, min="-", max="+", count=count, consumername=self.consumer
+            )
+            self._dead_letter_poison(stream, stale)
             # Take over a dead consumer's entries (JUSTID: no delivery counted yet), then
             # read everything pending to us — taken over, or ours with a lost output.
             # (redis-py returns just the claimed ids with JUSTID)
@@ -276,6 +269,49 @@ class Bus:
                 )
                 out += mine
         return out
+
+    def _claim_from_others(self, stream: str, count: int) -> list[Entry]:
+        """A consumer that keeps entries pending across reads (the trainer, until its checkpoint
+        holds them): take over only other consumers' entries idle past claim_idle_ms.
+
+        Its own pending entries are its own: it holds them on purpose, so claiming them from
+        itself would only count a delivery each pass, and at max_deliveries the poison check
+        dead-lettered groups it still held (then trained them anyway). So they are neither
+        claimed nor counted here; after a restart `read_own` hands them back."""
+        try:
+            consumers = self.r.xinfo_consumers(stream, self.group)
+        except redis.ResponseError:  # no stream or group yet
+            return []
+        stale = []
+        for c in consumers:
+            name = _s(c["name"])
+            if name != self.consumer and int(c["pending"]) > 0:
+                stale += self.r.xpending_range(
+                    stream, self.group, min="-", max="+", count=count, consumername=name, idle=self.claim_idle_ms
+                )
+        stale = self._dead_letter_poison(stream, stale)
+        if not stale:
+            return []
+        # XCLAIM re-checks the idle time: an entry its owner settled or touched meanwhile stays its own.
+        got = self.r.xclaim(stream, self.group, self.consumer, self.claim_idle_ms, [p["message_id"] for p in stale])
+        claimed = [Entry(stream, _s(eid), f.get(FIELD, b"")) for eid, f in got if f]
+        if claimed:
+            log.warning("reclaimed %d entries left by a dead consumer", len(claimed))
+        return claimed
+
+    def _dead_letter_poison(self, stream: str, pending: list) -> list:
+        """Dead-letter the entries of `pending` (XPENDING rows) delivered max_deliveries times or
+        more; returns the other rows."""
+        rest, seen = [], set()
+        for p in pending:
+            if p["message_id"] in seen:  # listed twice (idle, and ours): one decision
+                continue
+            seen.add(p["message_id"])
+            if p["times_delivered"] >= self.max_deliveries:
+                self._dead_letter_id(stream, _s(p["message_id"]), p["times_delivered"])
+            else:
+                rest.append(p)
+        return rest
 
     def leave(self, streams: Iterable[str], *, batch: int = 500) -> Left:
         """Leave this group for good: call once this consumer reads no more (its process is

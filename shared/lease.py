@@ -129,6 +129,15 @@ class Lease:
         cur = self.r.get(self.key)
         return bool(self.epoch) and cur is not None and cur.decode() == self.value
 
+    def lost_reason(self) -> str:
+        """Why this holder no longer holds the lease, as far as Redis tells: another holder's
+        token in it, or no lease at all (it expired, or Redis lost its data)."""
+        cur = self.r.get(self.key)
+        if cur is None:
+            return "its lease is gone from Redis (it expired, or Redis lost its data: see the redis check)"
+        token, _, epoch = cur.decode(errors="replace").partition(" ")
+        return f"another trainer holds it now ({token}, epoch {epoch})"
+
     def release(self) -> bool:
         """Delete the lease only if it is still ours (compare-and-delete)."""
         if not self.epoch:
@@ -145,6 +154,7 @@ class LeaseKeeper:
     def __init__(self, lease: Lease) -> None:
         self.lease = lease
         self.lost = threading.Event()
+        self.reason = ""  # why it was lost, once `lost` is set
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"lease-{lease.job_id}", daemon=True)
 
@@ -161,7 +171,8 @@ class LeaseKeeper:
         while not self._stop.wait(period):
             try:
                 if not self.lease.renew():
-                    log.error("job %s: lease lost (another trainer holds it now)", self.lease.job_id)
+                    self.reason = self.lease.lost_reason()
+                    log.error("job %s: lease lost: %s", self.lease.job_id, self.reason)
                     self.lost.set()
                     return
             except redis.RedisError as e:  # a blip: the next renewal may still make it in time
@@ -170,4 +181,4 @@ class LeaseKeeper:
     def check(self) -> None:
         """Raise LeaseLost if the keeper found the lease gone."""
         if self.lost.is_set():
-            raise LeaseLost(f"job {self.lease.job_id}: lease lost")
+            raise LeaseLost(f"job {self.lease.job_id}: lease lost: {self.reason}")

@@ -1,8 +1,11 @@
 """Policy versions in the object store: immutable folders, manifest written last.
 
-Layout: jobs/{job}/policy/v{N}/{adapter_model.safetensors, adapter_config.json,
-manifest.json}. A version exists once manifest.json does (docs/architecture.md, invariant 5);
-readers verify every file's sha256 against it before use.
+Layout: jobs/{job}/policy/v{N}/manifest.json, and the files it names (adapter_model.safetensors,
+adapter_config.json) in the write-once subfolder it names, jobs/{job}/policy/v{N}/{data_dir}/
+(shared/store.py, `put_folder`: a deposed writer's late files never land on the ones a live
+manifest names). Versions written before that have their files beside the manifest (no
+data_dir) and read as before. A version exists once manifest.json does (docs/architecture.md,
+invariant 5); readers verify every file's sha256 against it before use.
 """
 
 from __future__ import annotations
@@ -20,7 +23,16 @@ import redis
 from shared import keys
 from shared.fence import refusal
 from shared.lease import FENCE_CHECK, Fence, LeaseLost
-from shared.store import MANIFEST, ObjectStore, StoreError, VerificationError, get_files, put_folder
+from shared.store import (
+    MANIFEST,
+    ObjectStore,
+    StoreError,
+    VerificationError,
+    data_prefix,
+    get_files,
+    new_data_dir,
+    put_folder,
+)
 
 __all__ = [
     "MANIFEST",
@@ -90,6 +102,7 @@ class Manifest:
     # The log-prob probe (see `make_probe`): {"token_ids": [...], "logprobs": [...]}.
     probe: dict[str, list] = field(default_factory=dict)
     epoch: int = 0  # the writer's lease epoch (shared/fence.py); 0: written before fencing
+    data_dir: str = ""  # the write-once subfolder holding the files ("": beside the manifest, the old layout)
 
 
 class ManifestError(StoreError):
@@ -150,8 +163,11 @@ def publish_version(
     prefix = version_prefix(manifest.job_id, manifest.version)
     if store.exists(f"{prefix}/{MANIFEST}"):
         raise VersionExists(f"{prefix} already exists: policy versions are immutable")
+    manifest.data_dir = new_data_dir(manifest.epoch)
     meta = {k: v for k, v in manifest.__dict__.items() if k != "files"}
-    manifest.files = put_folder(store, prefix, files, meta, before_manifest=before_manifest)["files"]
+    manifest.files = put_folder(
+        store, prefix, files, meta, before_manifest=before_manifest, data_dir=manifest.data_dir
+    )["files"]
     return prefix
 
 
@@ -164,6 +180,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "created_at": (int, float),
     "probe": (dict,),
     "epoch": (int,),
+    "data_dir": (str,),
 }
 _REQUIRED = ("job_id", "version", "step", "base_model", "files")
 assert set(_FIELD_TYPES) == {f.name for f in dataclasses.fields(Manifest)}
@@ -192,6 +209,10 @@ def parse_manifest(raw: bytes, where: str = "manifest") -> Manifest:
     for name, digest in meta["files"].items():
         if not name or "/" in name or "\\" in name or name in (".", "..") or not isinstance(digest, str):
             raise ManifestError(f"{where}: bad file entry {name!r}: {digest!r}")
+    try:
+        data_prefix(where, meta.get("data_dir", ""))
+    except VerificationError as e:
+        raise ManifestError(str(e)) from None
     probe = meta.get("probe") or {}
     if probe:
         ids, lps = probe.get("token_ids"), probe.get("logprobs")
@@ -224,7 +245,7 @@ def fetch_version(
     decisions on those exact bytes); the files are checked against it, not re-read."""
     if manifest is None:
         manifest = read_manifest(store, job_id, version)
-    files = get_files(store, version_prefix(job_id, version), manifest.files)
+    files = get_files(store, data_prefix(version_prefix(job_id, version), manifest.data_dir), manifest.files)
     if why := refusal(store, job_id, "version", version, manifest.epoch):
         raise DeposedWrite(why)
     dest.mkdir(parents=True, exist_ok=True)

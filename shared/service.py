@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from shared import __version__, http_errors, keys
+from shared import __version__, http_errors, keys, redact
 from shared.bus import Bus
 from shared.dataset import DatasetGuard
 from shared.http_errors import SafeJSONResponse
@@ -37,11 +37,13 @@ log = logging.getLogger(__name__)
 
 
 def setup_logging(role: str) -> None:
+    """The service's log format, with its secrets masked in every line and traceback (shared/redact.py)."""
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s {role:<7} %(levelname)-5s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    redact.install()
 
 
 class Health:
@@ -55,6 +57,7 @@ class Health:
         """`scope="job"`: a problem of one job (say, a refused policy version), shown in the
         checks and as `degraded`, but not a reason to call the whole service unready: its
         other jobs are served, and an orchestrator restarting it would fix nothing."""
+        reason = redact.scrub(reason)  # /readyz and the heartbeat show it to anyone
         with self._lock:
             prev = self._checks.get(name)
             self._checks[name] = (ok, reason, scope)
@@ -220,17 +223,36 @@ class ServiceRuntime:
             claim_idle_ms=int(self.settings.claim_idle_s * 1000),
         )
 
-    def run(self, tick: Callable[[], None], *, close: Callable[[], None] | None = None) -> None:
+    def run(
+        self,
+        tick: Callable[[], None],
+        *,
+        close: Callable[[], None] | None = None,
+        watch: Callable[[], None] | None = None,
+    ) -> None:
         """A service's main loop: `tick` under `survive` until stopped (SIGTERM), then `close`
         (what the worker holds: an engine, scoring processes) and `shutdown`, which runs even if
-        `close` raises: the replica's heartbeat and HTTP server must not outlive its worker."""
+        `close` raises: the replica's heartbeat and HTTP server must not outlive its worker.
+
+        `watch`: read-only checks run before every tick, also while the worker pauses because
+        Redis lost its dataset (the api's orphan check: it is how the loss shows from the store,
+        and it stayed `ok` while paused with the rest)."""
         try:
             while not self.stop.is_set():
+                if watch is not None:
+                    self._watch(watch)
                 self.survive(tick)
             if close is not None:
                 close()
         finally:
             self.shutdown()
+
+    def _watch(self, watch: Callable[[], None]) -> None:
+        try:
+            watch()
+        except Exception as e:  # a check that cannot run says so in the log; the worker goes on
+            self.errors.labels("watch").inc()
+            log.warning("check failed: %s: %s", type(e).__name__, e)
 
     def survive(self, fn: Callable[[], None], *, backoff_s: float = 1.0) -> None:
         """Run one worker iteration; on error, report it and back off instead of dying.

@@ -26,7 +26,11 @@ class CommonSettings(BaseSettings):
 
     # Common fields carry explicit aliases, so a service's own env_prefix
     # (BURSTRL_ROLLOUT_, ...) applies only to the fields it adds.
-    model_config = SettingsConfigDict(env_prefix="BURSTRL_", extra="ignore", populate_by_name=True)
+    # hide_input_in_errors: an error never echoes the settings it read (it printed the start of
+    # the Redis password in REDIS_URL, and the token); every service's settings inherit it.
+    model_config = SettingsConfigDict(
+        env_prefix="BURSTRL_", extra="ignore", populate_by_name=True, hide_input_in_errors=True
+    )
 
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0",

@@ -2,7 +2,11 @@
 
 Keys are '/'-separated. Writes are atomic per object (file: write to a temp file then
 rename; S3: a PUT is atomic), which is what "a version exists once its manifest
-does" builds on. S3 endpoint and credentials come from the environment:
+does" builds on. A folder's files go under a write-once subfolder its manifest names
+(`put_folder`'s `data_dir`), so a writer that outlived its lease can never overwrite a file
+another writer's manifest names (docs/architecture.md, invariant 10).
+
+S3 endpoint and credentials come from the environment (never from STORE_URL):
 STORE_ENDPOINT_URL (or AWS_ENDPOINT_URL), AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
 AWS_REGION — so MinIO, R2 and S3 all work.
 """
@@ -12,11 +16,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
+
+from shared.redact import redact_url
 
 
 class StoreError(RuntimeError):
@@ -100,14 +108,30 @@ class FileStore:
     def delete(self, key: str) -> None:
         p = self._path(key)
         p.unlink(missing_ok=True)
-        # Like S3, a folder exists only while it holds objects: remove the ones left empty.
+        # Like S3, a folder exists only while it holds objects: remove the ones left empty. A
+        # crashed write's temporary file is not an object: one left untouched for STALE_TMP_S goes
+        # too (a folder holding only that was never removed, and every orphan sweep "deleted" it
+        # again).
         for parent in p.parents:
             if parent == self.root or self.root not in parent.parents:
                 break
             try:
+                _drop_stale_temps(parent)
                 parent.rmdir()
             except OSError:  # not empty (or already gone)
                 break
+
+
+STALE_TMP_S = 600.0  # a temporary file untouched this long belongs to a write that died (one put is one write)
+
+
+def _drop_stale_temps(folder: Path) -> None:
+    """Delete the temporary files of dead writes in `folder`, if it holds nothing else."""
+    entries = list(folder.iterdir())
+    cutoff = time.time() - STALE_TMP_S
+    if all(e.name.startswith(".tmp-") and e.is_file() and e.stat().st_mtime < cutoff for e in entries):
+        for e in entries:
+            e.unlink(missing_ok=True)
 
 
 class S3Store:
@@ -177,9 +201,31 @@ def open_store(url: str) -> ObjectStore:
         return FileStore(Path(u.netloc + u.path))
     if u.scheme == "s3":
         if not u.netloc:
-            raise StoreError(f"STORE_URL {url!r} has no bucket: use s3://bucket/prefix")
+            raise StoreError(f"STORE_URL {redact_url(url)!r} has no bucket: use s3://bucket/prefix")
+        if u.password is not None:  # S3 credentials come from the environment, never the URL
+            raise StoreError(
+                f"STORE_URL {redact_url(url)!r} carries credentials: give them in AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY instead"
+            )
         return S3Store(u.netloc, u.path)
-    raise StoreError(f"STORE_URL {url!r}: scheme must be file:// or s3://")
+    raise StoreError(f"STORE_URL {redact_url(url)!r}: scheme must be file:// or s3://")
+
+
+def new_data_dir(epoch: int) -> str:
+    """A subfolder name no other write uses: the writer's lease epoch (for whoever inspects the
+    store) and a random part (two writes of one holder, or unfenced writers, never share it)."""
+    return f"e{int(epoch)}-{secrets.token_hex(6)}"
+
+
+def data_prefix(prefix: str, data_dir: str) -> str:
+    """Where a folder's files are: under `data_dir` when its manifest names one, else (the layout
+    written before write-once subfolders) beside the manifest. `data_dir` comes from a manifest,
+    which a reader must not trust: it must be one plain name."""
+    if not data_dir:
+        return prefix
+    if not isinstance(data_dir, str) or "/" in data_dir or "\\" in data_dir or data_dir in (".", ".."):
+        raise VerificationError(f"{prefix}: manifest's data_dir {data_dir!r} is not a plain folder name")
+    return f"{prefix}/{data_dir}"
 
 
 def put_folder(
@@ -189,6 +235,7 @@ def put_folder(
     meta: dict[str, Any],
     *,
     before_manifest: Callable[[], None] | None = None,
+    data_dir: str = "",
 ) -> dict[str, Any]:
     """Write files, then manifest.json (meta + each file's sha256) last.
 
@@ -196,10 +243,17 @@ def put_folder(
     Policy versions and trainer checkpoints are both such folders. `before_manifest` runs
     between the files and the manifest and may raise to leave the folder nonexistent (the
     trainer checks it still holds its lease there: a long upload may have outlived it).
+
+    `data_dir` (`new_data_dir`): the files go to prefix/data_dir/, which the manifest names. A
+    writer frozen mid-upload that wakes after another wrote the same folder then writes only
+    into its own subfolder: it can never overwrite a file the other's manifest names (it did:
+    a deposed trainer's late optimizer file broke its successor's checkpoint).
     """
-    manifest = {**meta, "files": {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}}
+    digests = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+    manifest = {**meta, **({"data_dir": data_dir} if data_dir else {}), "files": digests}
+    base = data_prefix(prefix, data_dir)
     for name, data in files.items():
-        store.put(f"{prefix}/{name}", data)
+        store.put(f"{base}/{name}", data)
     if before_manifest is not None:
         before_manifest()
     store.put(f"{prefix}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
@@ -209,7 +263,13 @@ def put_folder(
 def get_folder(store: ObjectStore, prefix: str) -> tuple[dict[str, Any], dict[str, bytes]]:
     """The manifest and every file of a folder, each checked against its sha256."""
     manifest = json.loads(store.get(f"{prefix}/{MANIFEST}"))
-    return manifest, get_files(store, prefix, manifest["files"])
+    return manifest, get_files(store, data_prefix(prefix, manifest.get("data_dir", "")), manifest["files"])
+
+
+def folder_file(store: ObjectStore, prefix: str, name: str) -> str:
+    """The key of file `name` of a folder, as its manifest places it."""
+    manifest = json.loads(store.get(f"{prefix}/{MANIFEST}"))
+    return f"{data_prefix(prefix, manifest.get('data_dir', ''))}/{name}"
 
 
 def get_files(store: ObjectStore, prefix: str, digests: dict[str, str]) -> dict[str, bytes]:

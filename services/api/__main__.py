@@ -43,11 +43,10 @@ def main() -> None:
 
     def tick() -> None:
         rt.health.set("feeder", True)
-        check_orphans()
         feeder.tick()
         feeder.wait(settings.feed_interval_s)  # wakes early when a job records progress
 
-    rt.run(tick)
+    rt.run(tick, watch=check_orphans)  # the orphan check runs while the feeder pauses on a lost Redis
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import redis
 
 from services.api import recovery
 from services.api.checks import check_spec, job_warnings
+from services.api.overview import trainer_waits
 from shared import keys
 from shared.bus import Bus
 from shared.job import JobRecord, JobSpec, JobState, UnreadableJob, insert_job, load_job, parse_job, update_job
@@ -112,7 +113,9 @@ def job_status(r: redis.Redis, *, job_id: str) -> dict[str, Any]:
         "ledger": read_ledger(r, job_id),
         "evals": read_evals(r, job_id),
         "last_step": trainer[-1] if trainer else None,
-        "warnings": job_warnings(r, rec.spec, job_id) if rec.state == JobState.running else [],
+        "warnings": job_warnings(r, rec.spec, job_id) + trainer_waits(r, job_id)
+        if rec.state == JobState.running
+        else [],
     }
 
 

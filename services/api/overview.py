@@ -45,6 +45,17 @@ def list_services(r: redis.Redis) -> list[dict[str, Any]]:
     return sorted(out, key=lambda b: (str(b["role"]), str(b["replica"])))
 
 
+def trainer_waits(r: redis.Redis, job_id: str) -> list[str]:
+    """What trainers holding `job_id` say holds its next batch up: their `progress` check, degraded
+    once no batch has formed for a while (services/trainer/progress.py; its reason starts with
+    "job {id}:")."""
+    return [
+        f"trainer {b['replica']}: {why}"
+        for b in list_services(r)
+        if b["role"] == "trainer" and (why := b.get("reasons", {}).get("progress", "")).startswith(f"job {job_id}:")
+    ]
+
+
 def stream_info(r: redis.Redis, stream: str, group: str) -> dict[str, Any]:
     """Length of a stage stream and how far its consumer group is behind."""
     info: dict[str, Any] = {"length": int(r.xlen(stream)), "pending": 0, "lag": None}

@@ -15,6 +15,9 @@ purpose (`jobs/{job}/deleted.json`), is orphaned: Redis lost it. The api lists o
   simply feeds on from there (some prompts of the lost window are sampled again);
 - then a new dataset id that supersedes the ids the running services remember, so they
   adopt it and carry on (shared/dataset.py).
+
+Any key of the job that something wrote into the emptied Redis before it paused (services
+pause on a lost dataset, but a step in progress may finish) is deleted first.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from shared.job import JobRecord, JobState, insert_job
 from shared.ledger import init_ledger
 from shared.policy import init_pointer
 from shared.schema import decode_heartbeat
-from shared.store import MANIFEST, ObjectStore, StoreError
+from shared.store import MANIFEST, ObjectStore, StoreError, data_prefix
 
 log = logging.getLogger(__name__)
 JOB_FILE = "job.json"
@@ -79,7 +82,7 @@ def _newest_checkpoint(store: ObjectStore, job_id: str) -> tuple[int, int]:
         prefix = f"jobs/{job_id}/trainer/step-{step:08d}"
         try:
             manifest = json.loads(store.get(f"{prefix}/{MANIFEST}"))
-            raw = store.get(f"{prefix}/state.json")
+            raw = store.get(f"{data_prefix(prefix, manifest.get('data_dir', ''))}/state.json")
             if hashlib.sha256(raw).hexdigest() != manifest["files"]["state.json"]:
                 continue
             return step, int(json.loads(raw).get("data", {}).get("groups_trained", 0))
@@ -115,6 +118,10 @@ def recover_jobs(r: redis.Redis, store: ObjectStore, job_ids: list[str] | None =
         rec.error = (
             f"recovered from the store after Redis lost it: resumes at checkpoint step {max(0, o.checkpoint_step)}"
         )
+        # Whatever was written into the emptied Redis for this job since (a late metric point, a
+        # lease) goes first: the job starts again from the store alone.
+        for key in list(r.scan_iter(match=keys.job_key_pattern(rec.id), count=500)):
+            r.delete(key)
         Bus.ensure_groups(r, rec.id)
         pipe = r.pipeline(transaction=True)
         insert_job(pipe, rec)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import threading
 import time
 from datetime import datetime
 
@@ -19,9 +20,11 @@ import redis
 
 from services.trainer.settings import TrainerSettings
 from shared.service import ServiceRuntime, setup_logging
-from shared.store import open_store
+from shared.store import ObjectStore, open_store
 
 log = logging.getLogger("burstrl.trainer")
+STORE_CHECK_S = 5.0
+STORE_PROBE_KEY = "burstrl-readiness-probe"  # read, never written: its absence is an answer too
 
 
 def _deadline(value: str) -> float:
@@ -99,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     rt = ServiceRuntime("trainer", settings)
     rt.start()
     rt.preflight()
-    rt.health.set("store", True)
+    store_ok = StoreCheck(rt, store)
+    threading.Thread(target=store_ok.run, name="store-check", daemon=True).start()
     if settings.time_budget_s or settings.deadline:
         log.info(
             "session budget: %.0fs",
@@ -107,7 +111,13 @@ def main(argv: list[str] | None = None) -> None:
         )
 
     def tick() -> None:
-        claimed = claim_job(rt, settings, store)
+        try:
+            claimed = claim_job(rt, settings, store)
+        except Exception as e:
+            # Taking a job writes its takeover record to the store first: an outage fails here.
+            store_ok.probe()
+            rt.health.set("job", False, f"holds no lease: taking a job failed ({type(e).__name__}: {e}); retrying")
+            raise
         if claimed is None:
             rt.health.set("job", True, "idle: no running job to claim")
             rt.stop.wait(1.0)
@@ -128,12 +138,20 @@ def main(argv: list[str] | None = None) -> None:
                     raise  # not the job's fault
                 except Exception as e:
                     # A job the trainer cannot load or train would crash-loop it and starve every
-                    # other job: after max_attempts in a row it is failed with the error.
-                    if note_failure(rt.redis, rec.id, e, max_attempts=settings.max_attempts):
+                    # other job: after max_attempts in a row it is failed with the error. An
+                    # unreachable store is not the job's fault.
+                    if store_ok.probe() and note_failure(rt.redis, rec.id, e, max_attempts=settings.max_attempts):
                         log.error("job %s failed after %d attempts: %s", rec.id, settings.max_attempts, e)
                     raise
+        except Exception as e:
+            rt.health.set("job", False, f"holds no lease: job {rec.id} stopped ({type(e).__name__}: {e}); retrying")
+            raise
         finally:
             lease.release()  # compare-and-delete: never the lease another trainer took
+        if trainer.lease_lost:
+            rt.health.set("job", False, f"holds no lease: lost job {rec.id}'s: {trainer.lease_lost}")
+        else:
+            rt.health.set("job", True, f"idle: left job {rec.id} ({trainer.exit_reason or 'completed'})")
 
     try:
         while not rt.stop.is_set():
@@ -147,6 +165,35 @@ def main(argv: list[str] | None = None) -> None:
         rt.shutdown()
 
 
+class StoreCheck:
+    """The `store` check of /readyz: one cheap read every STORE_CHECK_S, from its own thread (an
+    S3 outage makes each try wait out boto's retries, which the heartbeat must not), and at once
+    when a job attempt fails. Before, it was set `ok` at start and never again: the trainer said
+    200 and "store ok" through a whole outage while it failed every second and held no lease."""
+
+    def __init__(self, rt: ServiceRuntime, store: ObjectStore) -> None:
+        self.rt, self.store = rt, store
+
+    def probe(self) -> bool:
+        try:
+            self.store.exists(STORE_PROBE_KEY)
+        except Exception as e:  # noqa: BLE001 (whatever the backend raises: the store is not usable)
+            self.rt.health.set(
+                "store",
+                False,
+                f"object store {self.store.url} unreachable ({type(e).__name__}: {e}): no checkpoint or "
+                "version can be written",
+            )
+            return False
+        self.rt.health.set("store", True)
+        return True
+
+    def run(self) -> None:
+        while not self.rt.stop.is_set():
+            self.probe()
+            self.rt.stop.wait(STORE_CHECK_S)
+
+
 def _follower(settings: TrainerSettings, store, comm) -> None:  # noqa: ANN001
     """Ranks > 0: build the same JobTrainer for each job rank 0 announces and follow its steps."""
     import signal
@@ -155,13 +202,16 @@ def _follower(settings: TrainerSettings, store, comm) -> None:  # noqa: ANN001
 
     from services.trainer.distributed import CMD_STEP
     from services.trainer.loop import JobTrainer
+    from shared.dataset import DatasetGuard
     from shared.job import JobRecord
     from shared.redis_conn import connect
+    from shared.service import Health
 
     # torchrun forwards SIGTERM to every rank; a follower must outlive it so that rank 0's
     # exit checkpoint and its final STOP broadcast can complete.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    rt = SimpleNamespace(redis=connect(settings.redis_url), stop=threading.Event(), gauges={})
+    r = connect(settings.redis_url)
+    rt = SimpleNamespace(redis=r, stop=threading.Event(), gauges={}, health=Health(), dataset=DatasetGuard(r))
     while comm.broadcast_int(0) == CMD_STEP:
         rec = JobRecord.model_validate_json(comm.broadcast_bytes(None)[0])
         JobTrainer(rt, settings, store, rec, comm=comm).run()  # type: ignore[arg-type]

@@ -2,10 +2,13 @@
 
 jobs/{job}/trainer/step-{N}/ holds the policy files (LoRA adapter or full weights),
 optimizer.safetensors (optimizer state + torch RNG states) and state.json (step, the
-scheduler, python/numpy RNG, data position, the groups of the last interval), then
-manifest.json (sha256 of each) written last: a checkpoint without a manifest does not
-exist, and every hash is checked on load. Everything is safetensors or JSON; nothing is
-pickled.
+scheduler, python/numpy RNG, data position, the groups of the last interval) in a write-once
+subfolder of the writer's (step-{N}/e{epoch}-{random}/: shared/store.py, `put_folder`), then
+manifest.json (sha256 of each, and that subfolder) written last: a checkpoint without a
+manifest does not exist, and every hash is checked on load. A deposed trainer that wakes in
+the middle of its upload writes only into its own subfolder, never over the files its
+successor's manifest names. (Checkpoints written before that hold their files beside the
+manifest and load as before.) Everything is safetensors or JSON; nothing is pickled.
 
 Why `trained_groups` holds only the groups trained since the previous checkpoint: the
 trainer acknowledges a group on the bus right after the checkpoint containing it is
@@ -33,7 +36,7 @@ from safetensors.torch import load, save
 
 from shared.fence import refusal
 from shared.policy import DeposedWrite
-from shared.store import MANIFEST, ObjectStore, VerificationError, get_folder, put_folder
+from shared.store import MANIFEST, ObjectStore, VerificationError, get_folder, new_data_dir, put_folder
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +188,8 @@ def save_checkpoint(
         }
     ).encode()
     prefix = ckpt_prefix(job_id, state.step)
-    put_folder(store, prefix, out, {"step": state.step, "epoch": epoch}, before_manifest=before_manifest)
+    meta = {"step": state.step, "epoch": epoch}
+    put_folder(store, prefix, out, meta, before_manifest=before_manifest, data_dir=new_data_dir(epoch))
     return prefix
 
 

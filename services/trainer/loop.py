@@ -46,7 +46,7 @@ from services.trainer.learner import Aborted, Learner, TrainResult
 from services.trainer.optim import check_resume
 from services.trainer.policy import load_policy, load_policy_files, policy_files
 from services.trainer.probe import compute_probe
-from services.trainer.progress import JobStuck, StaleStreak, clear_failures
+from services.trainer.progress import BatchWait, JobStuck, StaleStreak, clear_failures
 from services.trainer.publishing import Publisher
 from services.trainer.retention import Retention, prune_versions
 from services.trainer.settings import TrainerSettings
@@ -61,6 +61,7 @@ from services.trainer.sharding import (
 from services.trainer.sources import Ref, SegmentRef, Sources
 from services.trainer.step_report import Session, StepTimes, step_point, zero_variance
 from shared import keys
+from shared.backlog import held_back
 from shared.bus import Bus
 from shared.job import JobRecord, JobState, load_job, set_state
 from shared.lease import Lease, LeaseKeeper, LeaseLost
@@ -148,6 +149,7 @@ class JobTrainer:
         self.save_times: deque[float] = deque(maxlen=5)
         self.publish_times: deque[float] = deque(maxlen=5)
         self.exit_reason = ""
+        self.lease_lost = ""  # why the lease was lost, if it was (the trainer's `job` check says it)
         self.publisher = Publisher(
             store,
             self.r,
@@ -158,6 +160,7 @@ class JobTrainer:
             probe_tolerance=settings.republish_probe_tolerance,
         )
         self.session = Session(process_start=start, epoch=lease.epoch if lease else 0, replica=settings.replica, step=0)
+        self.waiting = BatchWait(self.r, rec, rt.health, report_s=settings.wait_report_s)
         self.progress = StaleStreak(
             max_staleness=staleness_limit(spec),
             limit=settings.stuck_groups,
@@ -222,9 +225,21 @@ class JobTrainer:
                     log.warning("job %s: stopping at step %d: %s", self.rec.id, self.state.step, self.exit_reason)
                     return
                 need = spec.batch_size - len(self.pending)
+                if self.since_ckpt and (why := self._held_back()):
+                    # What we trained fills the window: only its checkpoint (and ack) frees room.
+                    dt = self._checkpoint()
+                    log.info(
+                        "job %s: checkpoint at step %d (%.2fs) before checkpoint_every: %s",
+                        self.rec.id,
+                        self.state.step,
+                        dt,
+                        why,
+                    )
                 entries = self.src.read(need, first)
                 first = False
                 self._admit(entries)
+                if len(self.pending) < spec.batch_size:
+                    self.waiting.check(time.time() - t_wait, len(self.pending), len(self.since_ckpt))
                 if len(self.pending) >= spec.batch_size:
                     if self._out_of_budget(about_to_step=True):
                         break
@@ -246,10 +261,11 @@ class JobTrainer:
             self.exit_reason = "job cannot make progress"
             return
         except LeaseLost as e:
-            # Another trainer owns the job now: whatever we trained since our last checkpoint
-            # stays unacknowledged for it, and nothing of ours may be written any more.
+            # Another trainer owns the job now, or Redis lost the lease with its data: whatever we
+            # trained since our last checkpoint stays unacknowledged, and nothing of ours may be
+            # written any more.
             log.error("%s; stopping without writing anything more", e)
-            self.exit_reason = "lost the lease"
+            self.exit_reason, self.lease_lost = "lost the lease", str(e)
             return
         finally:
             self.src.close()
@@ -266,6 +282,11 @@ class JobTrainer:
 
     def _session_point(self, event: str) -> None:
         """The burst timeline: when this trainer held the job, what it cost and what it trained."""
+        if lost := self._redis_lost():
+            # Written into an emptied Redis, the point would recreate keys of a job it no longer
+            # knows, and they would outlive a recovery (invariant 11: losing state is loud, not papered over).
+            log.warning("job %s: session %s not recorded: %s", self.rec.id, event, lost)
+            return
         try:
             record_session_point(self.r, self.rec.id, self.session.point(event, reason=self.exit_reason))
         except redis.RedisError as e:  # a report, not a correctness matter: never mask the real exit
@@ -357,6 +378,12 @@ class JobTrainer:
         if why := self.progress.stuck():
             raise JobStuck(why)
 
+    def _held_back(self) -> str:
+        """Why the next batch cannot form before the groups trained since the last checkpoint are
+        acknowledged ("" when it can): shared/backlog.py, `held_back`."""
+        led = read_ledger(self.r, self.rec.id)
+        return held_back(self.r, self.rec, led, trained_unacked=len(self.since_ckpt))
+
     def _ack(self, entries: list[Ref], counter: str) -> None:
         """Acknowledge with one ledger count each, as the lease holder (raises LeaseLost if not)."""
         self.src.ack(entries, counter)
@@ -371,7 +398,14 @@ class JobTrainer:
         if self.keeper is not None:
             self.keeper.check()
         if not self.lease.held():
-            raise LeaseLost(f"job {self.rec.id}: lease lost (another trainer holds it now)")
+            why = self.lease.lost_reason()
+            if lost := self._redis_lost():
+                why += f"; {lost}"
+            raise LeaseLost(f"job {self.rec.id}: lease lost: {why}")
+
+    def _redis_lost(self) -> str:
+        """Why Redis no longer holds the dataset this service started on ("" while it does)."""
+        return self.rt.dataset.check()
 
     def _step(self, items: list[tuple[Ref, GroupMsg]], wait_s: float) -> None:
         spec = self.rec.spec
@@ -406,6 +440,7 @@ class JobTrainer:
         t_pub = time.time() - t0 - t_train - t_ckpt
         self.step_times.append(t_train + t_pub)
         self.progress.trained()
+        self.waiting.stepped()
         if self.state.step == 1 or checkpointed:
             clear_failures(self.r, self.rec.id)  # it loads and trains: earlier failures were transient
         self._record(items, res, wait_s=wait_s, t_train=t_train, t_pub=t_pub, t_ckpt=t_ckpt, checkpointed=checkpointed)

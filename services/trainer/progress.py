@@ -1,5 +1,6 @@
 """Jobs that cannot make progress fail with their reason, within a bound (docs/architecture.md,
-invariant 11), instead of holding the trainer forever.
+invariant 11), instead of holding the trainer forever; and a trainer that waits for a batch says
+for how long and what holds it up (`BatchWait`), instead of looking healthy while nothing trains.
 
 Two ways a job gets stuck:
 - **Rollout never adopts a new version** (every version refused by its probe, forged
@@ -16,14 +17,21 @@ Two ways a job gets stuck:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
 import redis
 
 from shared import keys
-from shared.job import JobState, set_state
+from shared.backlog import feed_room
+from shared.job import JobRecord, JobState, load_job, set_state
+from shared.metrics import read_ledger
 from shared.schema import GroupMsg
+from shared.service import Health
+
+log = logging.getLogger(__name__)
+PROGRESS_CHECK = "progress"  # the trainer's /readyz check (degraded while no batch forms)
 
 
 class JobStuck(RuntimeError):
@@ -88,3 +96,51 @@ def note_failure(r: redis.Redis, job_id: str, error: BaseException, *, max_attem
 def clear_failures(r: redis.Redis, job_id: str) -> None:
     """A step went through: the job loads and trains, so earlier failures were transient."""
     r.delete(keys.trainer_failures(job_id))
+
+
+class BatchWait:
+    """Says so when no batch has formed for `report_s`: the `progress` check of the trainer's
+    /readyz turns degraded (scope job: the trainer itself is fine) with what holds the batch up,
+    the heartbeat carries that reason to the api, and the log says it once per wait.
+
+    Before, a job that stopped (fed 8, trained 0 for 6.5 minutes) showed every check green."""
+
+    def __init__(self, r: redis.Redis, rec: JobRecord, health: Health, *, report_s: float) -> None:
+        self.r, self.rec, self.health, self.report_s = r, rec, health, report_s
+        self.reported = False
+
+    def check(self, waited_s: float, held: int, trained_unacked: int) -> None:
+        """The loop found no full batch, `waited_s` after the last one (`held`: groups it holds)."""
+        if self.report_s <= 0 or waited_s < self.report_s:
+            return
+        why = wait_reason(self.r, self.rec, waited_s=waited_s, held=held, trained_unacked=trained_unacked)
+        if not self.reported:
+            log.warning("%s", why)
+            self.reported = True
+        self.health.set(PROGRESS_CHECK, False, why, scope="job")
+
+    def stepped(self) -> None:
+        """A batch formed and trained."""
+        self.health.set(PROGRESS_CHECK, True, scope="job")
+        self.reported = False
+
+
+def wait_reason(r: redis.Redis, rec: JobRecord, *, waited_s: float, held: int, trained_unacked: int) -> str:
+    """What keeps the next batch of `rec` from forming, as far as Redis tells."""
+    led = read_ledger(r, rec.id)
+    room, full = feed_room(r, rec, led)
+    upstream = led["in_flight"] - trained_unacked - held
+    out = (
+        f"job {rec.id}: no batch for {waited_s:.0f}s: {held} of {rec.spec.batch_size} groups held, "
+        f"{trained_unacked} trained awaiting a checkpoint, {max(0, upstream)} more in flight"
+    )
+    cur = load_job(r, rec.id)
+    if cur is not None and cur.state != JobState.running:
+        out += f"; the job is {cur.state.value}: the feeder feeds it nothing"
+    elif room <= 0:
+        out += f"; the feeder has no room: {full}"
+    if upstream > 0:
+        out += " (still in rollout, reward or ref, or beyond the trainer's reach: see their /readyz)"
+    elif room > 0:
+        out += "; nothing is on its way: the feeder has room but fed none (a finite prompt source ran out?)"
+    return out

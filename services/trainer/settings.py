@@ -44,7 +44,19 @@ class TrainerSettings(CommonSettings):
     grad_clip: float = Field(1.0, gt=0, description="Max gradient norm.")
     threads: int = Field(0, ge=0, description="torch CPU threads (0: torch's default).")
     checkpoint_every: int = Field(
-        1, ge=1, description="Checkpoint (and acknowledge) every N steps; also at exit. Versions publish every step."
+        1,
+        ge=1,
+        description="Checkpoint (and acknowledge) every N steps; also at exit, and sooner whenever the groups "
+        "trained since the last checkpoint fill the job's in-flight window (the next batch could not come "
+        "before their ack). Versions publish every step.",
+    )
+    wait_report_s: float = Field(
+        60.0,
+        ge=0.0,
+        allow_inf_nan=False,
+        description="Once no batch has formed for this long, say so: the `progress` check of /readyz turns "
+        "degraded with what holds the batch up (the feeder's window, groups still upstream), and the log says "
+        "it. 0: never.",
     )
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept in the store; older ones are deleted.")
     keep_versions: int = Field(

@@ -13,14 +13,17 @@ from typing import Any
 
 import httpx
 
+from shared.redact import redact_url
+
 
 class OpenAIClient:
     def __init__(
         self, *, url: str, api_key: str, timeout_s: float, concurrency: int, thread_name: str, away: type[Exception]
     ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.url = url.rstrip("/").removesuffix("/v1")  # a base URL; a trailing /v1 is tolerated
-        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+        base = url.rstrip("/").removesuffix("/v1")  # a base URL; a trailing /v1 is tolerated
+        self.http = httpx.Client(base_url=base, headers=headers, timeout=timeout_s)
+        self.url = redact_url(base)  # what messages (and /readyz, which needs no token) show: never a password
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=thread_name)
         self._away = away
 

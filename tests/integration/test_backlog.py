@@ -316,3 +316,27 @@ def test_backlog_points_and_gauges(r, redis_server, store):
 def test_segment_refs_carry_their_bytes_and_a_stable_id():
     ref = SegmentRef("seg-1", 3, b"x")
     assert ref.id == "seg-1#3" and ref.data == b"x"
+
+
+def test_a_segment_folder_holding_only_a_crashed_writes_temp_file_is_swept_once(r, store, redis_server, monkeypatch):
+    """A spiller killed mid-write leaves jobs/{job}/backlog/{seg}/ holding only the file store's
+    temporary file. Before, the sweep "deleted" that orphan on every pass and the folder stayed."""
+    import os
+
+    import services.rollout.spill as spill_mod
+    from shared.segments import new_segment_id
+
+    rec = new_job(r, spec())
+    seg = new_segment_id()
+    folder = store.root / segment_prefix(rec.id, seg)
+    folder.mkdir(parents=True)
+    tmp = folder / ".tmp-crashed"
+    tmp.write_bytes(b"half a segment")
+    old = time.time() - 7200
+    os.utime(tmp, (old, old))  # the write died two hours ago
+    assert stored_segments(store, rec.id) == [seg]
+    monkeypatch.setattr(spill_mod, "ORPHAN_AGE_S", 0.0)
+    sp = spiller(runtime(redis_server.url), store)
+    assert sp.sweep_orphans(rec.id) == 1
+    assert not folder.exists() and stored_segments(store, rec.id) == []
+    assert sp.sweep_orphans(rec.id) == 0  # nothing left to delete again

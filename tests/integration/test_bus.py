@@ -278,3 +278,30 @@ def test_a_leaving_consumer_with_no_live_peer_keeps_its_entries_for_the_next_rea
     assert sorted(e.id for e in got) == sorted(e.id for e in held)
     assert burst.leave([stream]).left == 1  # holding nothing now: it can go
     assert "burst" not in _consumers(r, stream, keys.GROUP_ROLLOUT)
+
+
+def test_a_holder_never_reclaims_or_dead_letters_its_own_pending_entries(r):
+    """The trainer keeps entries pending until its checkpoint holds them: past claim_idle they are
+    still its own, not a failed delivery. Before, each reclaim pass XAUTOCLAIMed them from itself
+    (one more delivery each time) and at max_deliveries its own poison check dead-lettered groups
+    it held in a partial batch, which it then trained anyway: counted dead and trained."""
+    _flow(r, 3)
+    stage = Bus(r, keys.GROUP_ROLLOUT, "c")
+    for e in stage.read([keys.prompts(JOB)], count=3, block_ms=50):
+        stage.forward([e], [(keys.ready(JOB), e.data)], {JOB: {"produced": 1}})
+    holder = Bus(r, keys.GROUP_TRAINER, "trainer", claim_idle_ms=20, max_deliveries=3, redo_own_pending=False)
+    held = holder.read([keys.ready(JOB)], count=2, block_ms=50)
+    gone = Bus(r, keys.GROUP_TRAINER, "spill-gone", claim_idle_ms=20)  # another consumer that died holding one
+    [lost] = gone.read([keys.ready(JOB)], count=1, block_ms=50)
+    taken = []
+    for _ in range(8):  # 8 reclaim passes, each past claim_idle: far beyond max_deliveries
+        time.sleep(0.03)
+        holder._last_claim = 0
+        taken += holder.read([keys.ready(JOB)], count=2, block_ms=1)
+    assert [e.id for e in taken] == [lost.id]  # the dead consumer's entry, once; never our own again
+    assert r.xlen(keys.dead_letter(JOB)) == 0 and read_ledger(r, JOB).get("dead", 0) == 0
+    mine = r.xpending_range(keys.ready(JOB), keys.GROUP_TRAINER, "-", "+", 10, consumername="trainer")
+    assert {p["message_id"].decode(): p["times_delivered"] for p in mine if p["message_id"].decode() != lost.id} == {
+        e.id: 1 for e in held
+    }
+    assert holder.ack([*held, lost], {JOB: {"trained": 3}}) == 3 and audit(r, JOB).balanced

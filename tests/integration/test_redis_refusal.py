@@ -70,6 +70,7 @@ def test_wrong_password_or_untrusted_certificate_is_refused_not_waited_out(tls_r
     p = _start_reward(url, tmp)
     assert p.returncode == 2, p.stderr[-2000:]
     assert says in p.stderr, p.stderr[-2000:]
+    assert not password or password not in p.stdout + p.stderr  # the refusal never echoes the credential
 
 
 def test_the_right_password_and_ca_connect(tls_redis):

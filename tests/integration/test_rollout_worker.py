@@ -29,7 +29,7 @@ from shared.job import load_job
 from shared.metrics import read_ledger, read_points
 from shared.schema import GroupMsg, PromptMsg, decode, decode_dead, encode
 from shared.service import ServiceRuntime
-from shared.store import FileStore
+from shared.store import FileStore, folder_file
 from tests.support.plugins import plugin_module
 from tests.support.rollout import add_job, corrupt, engine_not_ready, publish, republish, rollout_service
 
@@ -241,7 +241,7 @@ def test_refusals_keep_old_version_and_show_everywhere(env) -> None:  # noqa: AN
     corrupt(store, job.id, 2)
     publish(store, r, job.id, 3, *fake_version([-1.0, -2.0, -3.0], probe_lp=[-1.0, -2.0, -3.5]))
     publish(store, r, job.id, 4, *fake_version([0.0], probe_lp=[0.0]))
-    (store.root / f"jobs/{job.id}/policy/v4/adapter_model.safetensors").write_bytes(b"{}")  # hash-checked away
+    store.put(folder_file(store, f"jobs/{job.id}/policy/v4", "adapter_model.safetensors"), b"{}")  # hash-checked away
     publish(store, r, job.id, 5, {"adapter_model.safetensors": b'{"bad": 1}', "adapter_config.json": b"{}"}, {})
     for _ in range(3):
         w.refresh_jobs()
@@ -491,7 +491,7 @@ def test_a_republished_version_is_tried_again_an_unchanged_one_is_not(env) -> No
     w.refresh_jobs()
     view = w.jobs[job.id]
     assert view.version == 1 and view.refused[2].kind == "hash"
-    weights = f"jobs/{job.id}/policy/v2/adapter_model.safetensors"
+    weights = folder_file(store, f"jobs/{job.id}/policy/v2", "adapter_model.safetensors")
     manifest = f"jobs/{job.id}/policy/v2/manifest.json"
     reads = store.gets[weights]
     for _ in range(3):  # the same manifest: looked at again, never downloaded again

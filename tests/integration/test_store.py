@@ -3,7 +3,7 @@
 import pytest
 
 from shared.policy import Manifest, VerificationError, fetch_version, latest_version, publish_version
-from shared.store import FileStore, StoreError, open_store
+from shared.store import FileStore, StoreError, folder_file, open_store
 from tests.support.servers import make_bucket
 
 
@@ -36,7 +36,7 @@ def test_version_is_verified_and_immutable(store, tmp_path):
     assert set(got.files) == {"adapter_model.safetensors", "adapter_config.json"}
     with pytest.raises(StoreError, match="immutable"):
         publish_version(store, Manifest(job_id="j", version=1, step=1, base_model="m", files={}), {"x": b""})
-    store.put("jobs/j/policy/v1/adapter_model.safetensors", b"corrupt")
+    store.put(folder_file(store, "jobs/j/policy/v1", "adapter_model.safetensors"), b"corrupt")
     with pytest.raises(VerificationError):
         fetch_version(store, "j", 1, tmp_path / "v1b")
 
@@ -49,3 +49,13 @@ def test_version_without_manifest_does_not_exist(store):
 def test_file_store_rejects_escaping_keys(tmp_path):
     with pytest.raises(StoreError):
         FileStore(tmp_path).put("../outside", b"x")
+
+
+def test_a_folder_being_written_keeps_its_temporary_file(tmp_path):
+    """delete() removes a crashed write's stale temp file with its emptied folder, never a live one."""
+    store = FileStore(tmp_path / "s")
+    store.put("a/b/x", b"1")
+    live = tmp_path / "s" / "a" / "b" / ".tmp-live"
+    live.write_bytes(b"a write in progress")
+    store.delete("a/b/x")
+    assert live.exists() and store.list("a/") == []

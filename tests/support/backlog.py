@@ -15,10 +15,11 @@ from services.rollout.spill import Spiller
 from services.trainer.sources import Sources
 from shared import keys
 from shared.bus import FIELD, Bus
+from shared.dataset import DatasetGuard
 from shared.job import JobRecord, JobSpec
 from shared.lease import Lease
 from shared.schema import Completion, GroupMsg, decode, encode, pack_f32, pack_i32, pack_u8
-from shared.service import ServiceRuntime
+from shared.service import Health, ServiceRuntime
 from shared.settings import CommonSettings
 from shared.store import ObjectStore
 from tests.support.waits import Deadline
@@ -128,7 +129,8 @@ def group_ids_of(payloads: list[bytes]) -> list[str]:
 
 
 def fake_rt(r: redis.Redis) -> SimpleNamespace:
-    return SimpleNamespace(redis=r, stop=threading.Event(), gauges={})
+    """What a JobTrainer needs of a ServiceRuntime (its dataset guard never attached: it checks nothing)."""
+    return SimpleNamespace(redis=r, stop=threading.Event(), gauges={}, health=Health(), dataset=DatasetGuard(r))
 
 
 def roll(r: redis.Redis, job_id: str, *, limit: int = 1000, consumer: str = "fake-rollout") -> int:

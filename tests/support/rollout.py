@@ -20,7 +20,7 @@ from shared.bus import Bus
 from shared.job import JobRecord, JobSpec, JobState, insert_job
 from shared.lease import Lease
 from shared.policy import MANIFEST, Manifest, advance_pointer, init_pointer, publish_version, version_prefix
-from shared.store import FileStore, ObjectStore
+from shared.store import FileStore, ObjectStore, folder_file
 from tests.support.waits import Deadline
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ def republish(
 
 def corrupt(store: ObjectStore, job_id: str, version: int, name: str = "adapter_model.safetensors") -> None:
     """Flip bytes of a published file (the adapter by default): its sha256 no longer matches the manifest."""
-    key = f"{version_prefix(job_id, version)}/{name}"
+    key = folder_file(store, version_prefix(job_id, version), name)
     data = bytearray(store.get(key))
     data[-8:] = b"\x00" * 8
     store.put(key, bytes(data))

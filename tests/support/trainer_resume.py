@@ -3,10 +3,8 @@ its groups, its Redis state and store, and a way to start (or restart) its train
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -23,6 +21,7 @@ from shared.job import JobRecord, JobSpec, JobState, insert_job
 from shared.lease import Lease
 from shared.schema import Completion, GroupMsg, encode, pack_f32, pack_i32, pack_u8
 from shared.store import FileStore
+from tests.support.backlog import fake_rt
 
 JOB = "resume-1"
 STEPS, BATCH, G = 5, 2, 4
@@ -96,7 +95,7 @@ class Run:
 
     def trainer(self) -> JobTrainer:
         """A trainer that takes the job's lease as the service does (each one a new holder)."""
-        rt = SimpleNamespace(redis=self.r, stop=threading.Event(), gauges={})
+        rt = fake_rt(self.r)
         if self.lease is not None:  # the previous one crashed or exited: the service releases its lease
             self.lease.release()
         claimed = claim_job(rt, self.settings, self.store)  # type: ignore[arg-type]

@@ -49,7 +49,9 @@ UNAVAILABLE = "tool unavailable"
 class ToolSettings(BaseSettings):
     """`BURSTRL_TOOLS_*`: where tool calls run (the rollout service's environment, never a job's)."""
 
-    model_config = SettingsConfigDict(env_prefix="BURSTRL_TOOLS_", extra="ignore", populate_by_name=True)
+    model_config = SettingsConfigDict(
+        env_prefix="BURSTRL_TOOLS_", extra="ignore", populate_by_name=True, hide_input_in_errors=True
+    )
 
     sandbox_url: str = Field(
         "",

@@ -16,7 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class SandboxSettings(BaseSettings):
     """`BURSTRL_SANDBOX_*`: where the sandbox finds its interpreter and its uids."""
 
-    model_config = SettingsConfigDict(env_prefix="BURSTRL_SANDBOX_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="BURSTRL_SANDBOX_", extra="ignore", hide_input_in_errors=True)
 
     python: str = Field(
         "/usr/bin/python3",

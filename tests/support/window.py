@@ -1,0 +1,65 @@
+"""A job's feed loop without an engine, for the trainer's window tests: the real feeder keeps the
+prompt stream at the job's window (in this process, or the api as a process), and `Sampler`, a
+stand-in for rollout and reward, turns each prompt into a ready group sampled at the current
+policy version, through the real bus. The trainer under test consumes them."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import redis
+
+from services.api.feeder import Feeder
+from shared import keys
+from shared.bus import Bus
+from shared.policy import read_pointer
+from shared.schema import PromptMsg, encode
+from shared.store import ObjectStore
+from tests.support.backlog import group
+
+
+class Sampler(threading.Thread):
+    """Prompts of `job_id` become ready groups of `g` completions (rewards with spread), each
+    sampled at the policy pointer's version, settled with the stages' ledger counters."""
+
+    def __init__(self, r: redis.Redis, job_id: str, *, g: int) -> None:
+        super().__init__(name=f"sampler-{job_id}", daemon=True)
+        self.r, self.job_id, self.g = r, job_id, g
+        self.stop = threading.Event()
+        self.made = 0
+
+    def run(self) -> None:
+        bus = Bus(self.r, keys.GROUP_ROLLOUT, "sampler")
+        while not self.stop.is_set():
+            entries = bus.read([keys.prompts(self.job_id)], count=64, block_ms=100)
+            version = read_pointer(self.r, self.job_id)
+            units = []
+            for e, msg in bus.decode(entries, PromptMsg):
+                g = group(self.job_id, self.made + len(units), g=self.g, version=version)
+                g.group_id, g.item_id = msg.group_id, msg.item_id
+                units.append((e, [(keys.ready(self.job_id), encode(g))], {"produced": 1, "scored": 1}))
+            self.made += bus.settle(units)
+
+
+class FeedLoop(threading.Thread):
+    """The api's feeder, ticking in this process."""
+
+    def __init__(self, r: redis.Redis, store: ObjectStore) -> None:
+        super().__init__(name="feeder", daemon=True)
+        self.feeder = Feeder(r, store)
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.feeder.tick()
+            time.sleep(0.02)
+
+
+def stop_all(*threads: Sampler | FeedLoop) -> None:
+    """Stop and join each of `threads` that was started."""
+    for t in threads:
+        t.stop.set()
+    for t in threads:
+        if t.ident is not None:
+            t.join(timeout=10)
