@@ -81,7 +81,7 @@ def _session(start: dict[str, Any] | None, end: dict[str, Any] | None) -> dict[s
     }
 
 
-def burst_timeline(r: redis.Redis, job_id: str, *, limit: int) -> dict[str, Any]:
+def burst_timeline(r: redis.Redis, *, job_id: str, limit: int) -> dict[str, Any]:
     """The job's last `limit` sessions, oldest first, with totals over them."""
     starts: dict[int, dict[str, Any]] = {}
     ends: dict[int, dict[str, Any]] = {}
