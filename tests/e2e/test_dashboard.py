@@ -14,7 +14,7 @@ import pytest
 
 from shared import keys
 from shared.lease import Lease
-from shared.metrics import record_eval, record_point
+from shared.metrics import record_eval, record_point, record_session_point
 from shared.policy import advance_pointer
 from shared.schema import encode_point
 from tests.support.dashboard import TOKEN, dashboard_page, login, require_browser
@@ -178,7 +178,7 @@ def test_dashboard_draws_the_burst_timeline(stack, r, tmp_path):
 
         s = Session(process_start=time.time() - 1800 + 120, epoch=epochs[2], replica="h200-2", step=6)
         s.trained({"groups": 4, "staleness_mean": 1.0, "staleness_hist": {"1": 4}})
-        record_point(r, job_id, "trainer_session", s.point("end", reason="the job completed"))
+        record_session_point(r, job_id, s.point("end", reason="the job completed"))  # as the trainer does
         expect(now).to_have_attribute("data-status", "ended", timeout=15_000)
         expect(now).to_contain_text("the job completed")
         page.screenshot(path=str(tmp_path / "bursts.png"), full_page=True)
