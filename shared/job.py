@@ -7,6 +7,8 @@ the tiny-model demo's settings.
 
 from __future__ import annotations
 
+import json
+import logging
 import re
 import time
 from collections.abc import Callable
@@ -15,6 +17,7 @@ from typing import Annotated, Literal, Self
 
 import redis
 from pydantic import BaseModel, Field, StringConstraints, field_validator, model_validator
+from redis.client import Pipeline
 
 from shared import keys
 from shared.agent_spec import AgentSpec
@@ -32,6 +35,8 @@ from shared.limits import (
 )
 from shared.model_files import PromptFormat
 from shared.task_spec import TaskSpec
+
+log = logging.getLogger(__name__)
 
 JOB_NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,47}")  # the whole name (fullmatch: "$" lets a final newline by)
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=STOP_MAX_CHARS)]
@@ -331,10 +336,118 @@ def parse_job(job_id: str, raw: bytes | str) -> JobRecord:
         raise UnreadableJob(f"job {job_id}: stored record is unreadable: {str(e)[:300]}") from None
 
 
-def insert_job(pipe: redis.Redis | redis.client.Pipeline, rec: JobRecord) -> None:
-    """Write a new job's record (the api's create does it inside its MULTI, with the job's other
-    keys). Every later change goes through `update_job`."""
-    pipe.hset(keys.jobs_index(), rec.id, rec.model_dump_json())
+class JobTaken(RuntimeError):
+    """`insert_job`: a job with this id exists already (the caller draws another id)."""
+
+
+def index_member(job_id: str, created_at: float) -> str:
+    """A job's member in the table's indexes (keys.jobs_by_created, keys.jobs_in_state): its
+    creation time first, fixed width (µs, 17 digits), so byte order is creation order and two
+    jobs created in the same microsecond are ordered by id: a page is one ZRANGE BYLEX from
+    the last member seen, with no ties and no offsets."""
+    return f"{max(0, round(created_at * 1_000_000)):017d}/{job_id}"
+
+
+def _member_of(job_id: str, raw: bytes) -> tuple[str, str | None]:
+    """(index member, state) of a stored record. An unreadable one sorts by the creation time it
+    still holds (0 if none) and is in no state's index."""
+    try:
+        rec = parse_job(job_id, raw)
+        return index_member(job_id, rec.created_at), rec.state.value
+    except UnreadableJob:
+        try:
+            at = float(json.loads(raw).get("created_at") or 0)
+        except (ValueError, TypeError, AttributeError):
+            at = 0.0
+        return index_member(job_id, at), None
+
+
+def _state_indexes() -> list[str]:
+    return [keys.jobs_in_state(s.value) for s in JobState]
+
+
+def insert_job(r: redis.Redis, rec: JobRecord, *, also: Callable[[Pipeline], None] | None = None) -> None:
+    """Create a job, never over an existing one: its record, its index entries and its creation
+    mark (keys.created), and `also(pipe)` (the job's other keys: pointer, ledger, active set) in
+    one MULTI. Raises JobTaken, writing nothing, when the id has a record or a creation mark, or
+    another creator takes it meanwhile (the mark is WATCHed). Every later change goes through
+    `update_job`."""
+    mark = keys.created(rec.id)
+    with r.pipeline(transaction=True) as pipe:
+        try:
+            pipe.watch(mark)
+            if pipe.exists(mark) or pipe.hexists(keys.jobs_index(), rec.id):
+                raise JobTaken(rec.id)
+            member = index_member(rec.id, rec.created_at)
+            pipe.multi()
+            pipe.set(mark, repr(rec.created_at))
+            pipe.hset(keys.jobs_index(), rec.id, rec.model_dump_json())
+            pipe.zadd(keys.jobs_by_created(), {member: 0})
+            pipe.zadd(keys.jobs_in_state(rec.state.value), {member: 0})
+            if also is not None:
+                also(pipe)
+            pipe.execute()
+        except redis.WatchError:
+            raise JobTaken(rec.id) from None
+
+
+def remove_job(pipe: Pipeline, job_id: str, raw: bytes) -> None:
+    """Queue the removal of a job's record (`raw`, read under the caller's WATCH) and its index
+    entries, in the caller's MULTI (the api's delete, which removes the job's other keys too)."""
+    member, _ = _member_of(job_id, raw)
+    pipe.hdel(keys.jobs_index(), job_id)
+    pipe.zrem(keys.jobs_by_created(), member)
+    for key in _state_indexes():  # every state: an unreadable record's state is not known
+        pipe.zrem(key, member)
+
+
+def ensure_indexes(r: redis.Redis, *, attempts: int = 5) -> bool:
+    """Rebuild the table's indexes from the records when they do not cover it (a Redis written
+    before they existed, a record written by hand: the counts differ); True if rebuilt.
+
+    O(1) when they agree (HLEN against ZCARD), so the api checks on every listing and at start."""
+    table, every_job = keys.jobs_index(), keys.jobs_by_created()
+    for _ in range(attempts):
+        with r.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(table)
+                if pipe.hlen(table) == pipe.zcard(every_job):
+                    return False
+                records = pipe.hgetall(table)
+                members: dict[str, int] = {}
+                by_state: dict[str, dict[str, int]] = {}
+                for raw_id, raw in records.items():
+                    job_id = raw_id.decode(errors="replace")
+                    member, state = _member_of(job_id, raw)
+                    members[member] = 0
+                    if state is not None:
+                        by_state.setdefault(state, {})[member] = 0
+                pipe.multi()
+                pipe.delete(every_job, *_state_indexes())
+                if members:
+                    pipe.zadd(every_job, members)
+                for state, those in by_state.items():
+                    pipe.zadd(keys.jobs_in_state(state), those)
+                pipe.execute()
+                log.warning("job table: indexes rebuilt from its %d records", len(records))
+                return True
+            except redis.WatchError:
+                continue
+    return False
+
+
+def page_of_jobs(
+    r: redis.Redis, *, state: JobState | None, after: str | None, limit: int
+) -> tuple[list[tuple[str, bytes | None]], str | None]:
+    """The next `limit` jobs, newest first, after index member `after` (None: from the newest),
+    of every state or of `state`: [(job id, its stored record, None if it went meanwhile)], and
+    the member to continue after (None: this was the last page). Two round trips."""
+    index = keys.jobs_in_state(state.value) if state is not None else keys.jobs_by_created()
+    members = r.zrange(index, f"({after}" if after else "+", "-", desc=True, bylex=True, offset=0, num=limit + 1)
+    page = [m.decode() for m in members[:limit]]
+    ids = [m.partition("/")[2] for m in page]
+    raws = r.hmget(keys.jobs_index(), ids) if ids else []
+    return list(zip(ids, raws, strict=True)), (page[-1] if len(members) > limit else None)
 
 
 def update_job(
@@ -356,7 +469,7 @@ def update_job(
                 if raw is None:
                     return None
                 rec = parse_job(job_id, raw)
-                before = rec.error
+                before, was = rec.error, rec.state
                 if change(rec) is False:
                     return rec
                 if before and rec.error != before:
@@ -365,6 +478,10 @@ def update_job(
                 rec.updated_at = time.time()
                 pipe.multi()
                 pipe.hset(key, job_id, rec.model_dump_json())
+                if rec.state != was:  # the state's index follows, in the same MULTI
+                    member = index_member(job_id, rec.created_at)
+                    pipe.zrem(keys.jobs_in_state(was.value), member)
+                    pipe.zadd(keys.jobs_in_state(rec.state.value), {member: 0})
                 pipe.execute()
                 return rec
             except redis.WatchError:

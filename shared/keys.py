@@ -51,6 +51,23 @@ def active_jobs() -> str:
     return f"{PREFIX}:jobs:active"
 
 
+def jobs_by_created() -> str:
+    """Sorted set (all scores 0, ordered by member): every job in the table, as shared/job.py's
+    `index_member` "{created_at in µs}/{job_id}": GET /v1/jobs pages it newest first."""
+    return f"{PREFIX}:jobs:by-created"
+
+
+def jobs_in_state(state: str) -> str:
+    """Sorted set like jobs_by_created, of the jobs in one state (GET /v1/jobs?state=...)."""
+    return f"{PREFIX}:jobs:state:{state}"
+
+
+def page_key() -> str:
+    """String: the random key that signs the api's page cursors (services/api/pages.py); a new
+    Redis dataset gets a new one, so cursors from before a loss are refused as stale."""
+    return f"{PREFIX}:jobs:page-key"
+
+
 def _per_job(name: str, doc: str) -> Callable[[str], str]:
     """The key function of the per-job key `{PREFIX}:{job_id}:{name}`, documented by `doc`.
 
@@ -78,6 +95,11 @@ agent_groups = _per_job(
     "(docs/agents.md): written in the same script that hands it on or counts it dropped, only if absent, "
     "so each agent group enters the ledger once.",
 )
+created = _per_job(
+    "created",
+    "String: when the job was created; set once, in the MULTI that writes its record: every creator WATCHes "
+    "it, so two creating one id cannot both succeed (shared/job.py, insert_job).",
+)
 metrics = _per_job("metrics", "Stream of MetricPoint entries (the job's durable time series).")
 sessions = _per_job(
     "sessions",
@@ -95,6 +117,9 @@ trainer_epoch = _per_job(
 trainer_failures = _per_job(
     "trainer-failures",
     "Hash attempts/error/at: consecutive failed attempts to load or train a job (services/trainer/progress.py).",
+)
+segment_seq = _per_job(
+    "segment-seq", "Counter: the last backlog segment number drawn for a job (shared/segments.py, new_segment_id)."
 )
 backlog_index = _per_job(
     "backlog",

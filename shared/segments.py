@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import secrets
 import time
 from dataclasses import asdict, dataclass
 
 import msgspec
+import redis
 
+from shared import keys
 from shared.schema import SCHEMA_VERSION, GroupMsg
 from shared.store import MANIFEST, ObjectStore, StoreError, VerificationError, put_folder
 
@@ -56,9 +57,11 @@ def segment_prefix(job_id: str, seg: str) -> str:
     return f"jobs/{job_id}/backlog/{seg}"
 
 
-def new_segment_id() -> str:
-    """Sortable by creation time (the trainer's `oldest` order), unique across replicas."""
-    return f"seg-{time.time_ns():020d}-{secrets.token_hex(3)}"
+def new_segment_id(r: redis.Redis, job_id: str) -> str:
+    """Sortable by creation time (the trainer's `oldest` order), and unique by construction: the
+    job's segment counter (keys.segment_seq, one INCR) tells every replica's segments apart, so
+    no two spillers ever write one folder, whatever their clocks say."""
+    return f"seg-{time.time_ns():020d}-{r.incr(keys.segment_seq(job_id)):08d}"
 
 
 @dataclass

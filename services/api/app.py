@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 from services.api import http_limits
 from services.api.routes import ROUTERS
-from services.api.routes.dashboard import PAGE_PATHS, mount_page
+from services.api.routes.dashboard import PAGE_PATHS, STATIC_MOUNT, mount_page
 from services.api.tinker import routes as tinker_routes
 from shared.domain.envs import load_env_plugins
 from shared.domain.verifiers import load_plugins
@@ -22,7 +22,7 @@ from shared.store import ObjectStore
 # Paths served without a token: liveness/readiness/Prometheus (scrapers and probes carry
 # no secrets) and the dashboard's page and static files (the page holds no data; every JSON
 # endpoint it calls stays authenticated). tests/integration/test_api_fuzz.py checks every other route.
-PUBLIC_PATHS = {"/healthz", "/readyz", "/metrics", *PAGE_PATHS}
+PUBLIC_PATHS = {"/healthz", "/readyz", "/metrics", *PAGE_PATHS, STATIC_MOUNT}
 
 
 def build_routes(rt: ServiceRuntime, store: ObjectStore | None = None) -> FastAPI:

@@ -6,22 +6,41 @@ mapped to HTTP codes by the router.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import redis
+from redis.client import Pipeline
 
-from services.api import recovery
+from services.api import pages, recovery
 from services.api.checks import check_spec, job_warnings
 from services.api.overview import trainer_waits
 from shared import keys
 from shared.bus import Bus
-from shared.job import JobRecord, JobSpec, JobState, UnreadableJob, insert_job, load_job, parse_job, update_job
+from shared.job import (
+    JobRecord,
+    JobSpec,
+    JobState,
+    JobTaken,
+    UnreadableJob,
+    ensure_indexes,
+    insert_job,
+    load_job,
+    page_of_jobs,
+    parse_job,
+    remove_job,
+    update_job,
+)
 from shared.ledger import init_ledger
 from shared.metrics import read_evals, read_ledger, read_points
 from shared.policy import init_pointer, read_pointer
 from shared.store import ObjectStore
+
+log = logging.getLogger(__name__)
 
 
 class JobNotFound(KeyError):
@@ -32,21 +51,41 @@ class BadTransition(ValueError):
     pass
 
 
-def create_job(r: redis.Redis, *, spec: JobSpec) -> JobRecord:
-    """Check `spec` against what is registered and served (SpecProblem if it could never run), then store it."""
+ID_ATTEMPTS = 20  # fresh suffixes tried before giving up (each is taken with odds n / 2**24)
+
+
+def _suffix() -> str:
+    return secrets.token_hex(3)
+
+
+def create_job(
+    r: redis.Redis, *, spec: JobSpec, store: ObjectStore | None = None, suffix: Callable[[], str] = _suffix
+) -> JobRecord:
+    """Check `spec` against what is registered and served (SpecProblem if it could never run), then
+    store it under a new id, `{name}-{suffix()}`, never over another job: an id Redis holds (a live
+    job) or the store holds (a job Redis lost, or one deleted with its artifacts kept) is passed
+    over for a fresh suffix. `suffix` is the random source (tests force collisions with it)."""
     check_spec(r, spec)
-    now = time.time()
-    rec = JobRecord(
-        id=f"{spec.name}-{secrets.token_hex(3)}", spec=spec, state=JobState.running, created_at=now, updated_at=now
-    )
-    Bus.ensure_groups(r, rec.id)
-    pipe = r.pipeline(transaction=True)
-    insert_job(pipe, rec)
-    init_pointer(pipe, rec.id)  # version 0 = the base model, no adapter
-    init_ledger(pipe, rec.id)
-    pipe.sadd(keys.active_jobs(), rec.id)
-    pipe.execute()
-    return rec
+    for _ in range(ID_ATTEMPTS):
+        job_id = f"{spec.name}-{suffix()}"
+        if store is not None and store.list(store_prefix(job_id)):
+            continue
+        now = time.time()
+        rec = JobRecord(id=job_id, spec=spec, state=JobState.running, created_at=now, updated_at=now)
+        Bus.ensure_groups(r, rec.id)  # a no-op on a taken id's streams
+
+        def keys_beside(pipe: Pipeline, job_id: str = job_id) -> None:
+            init_pointer(pipe, job_id)  # version 0 = the base model, no adapter
+            init_ledger(pipe, job_id)
+            pipe.sadd(keys.active_jobs(), job_id)
+
+        try:
+            insert_job(r, rec, also=keys_beside)
+        except JobTaken:
+            log.warning("job id %s is taken; drawing another", job_id)
+            continue
+        return rec
+    raise JobTaken(f"{ID_ATTEMPTS} ids for name {spec.name!r} were all taken")
 
 
 def get_job(r: redis.Redis, *, job_id: str) -> JobRecord:
@@ -56,23 +95,53 @@ def get_job(r: redis.Redis, *, job_id: str) -> JobRecord:
     return rec
 
 
-def read_jobs(r: redis.Redis) -> tuple[list[JobRecord], dict[str, str]]:
-    """(every readable job, oldest first; job id -> why its record cannot be read).
-
-    An unreadable record (written by another version, or damaged) is left out of the
-    first and reported in the second, so one bad record never breaks the others."""
+def _parsed(found: Iterable[tuple[str, bytes | None]]) -> tuple[list[JobRecord], dict[str, str]]:
+    """(the readable jobs of (id, stored record) pairs, in their order; job id -> why its record
+    cannot be read). An unreadable record (written by another version, or damaged) is left out
+    of the first and reported in the second, so one bad record never breaks the others; a
+    record that went meanwhile (None) is left out."""
     recs, unreadable = [], {}
-    for raw_id, raw in r.hgetall(keys.jobs_index()).items():
-        job_id = raw_id.decode(errors="replace")
+    for job_id, raw in found:
+        if raw is None:
+            continue
         try:
             recs.append(parse_job(job_id, raw))
         except UnreadableJob as e:
             unreadable[job_id] = str(e)
-    return sorted(recs, key=lambda j: j.created_at), unreadable
+    return recs, unreadable
 
 
-def list_jobs(r: redis.Redis) -> list[JobRecord]:
-    return read_jobs(r)[0]
+@dataclass
+class JobPage:
+    jobs: list[JobRecord]  # newest first
+    unreadable: dict[str, str]  # job id -> why, for the records of this page that cannot be read
+    cursor: str | None  # where the next page starts; None: this is the last
+
+
+def list_page(r: redis.Redis, *, state: JobState | None, limit: int, cursor: str | None) -> JobPage:
+    """One page of the job table, newest first, of every state or of `state`: O(limit), whatever
+    the number of jobs. BadCursor for a cursor this api did not issue for this query."""
+    want = state.value if state is not None else ""
+    after = pages.read(r, cursor, state=want) if cursor else None
+    ensure_indexes(r)  # O(1) unless a record was written around them
+    found, last = page_of_jobs(r, state=state, after=after, limit=limit)
+    recs, unreadable = _parsed(found)
+    return JobPage(recs, unreadable, pages.issue(r, member=last, state=want) if last else None)
+
+
+DASHBOARD_RECENT = 20  # jobs the dashboard shows beside the active ones: the newest, of any state
+
+
+def dashboard_jobs(r: redis.Redis) -> tuple[list[JobRecord], dict[str, str]]:
+    """What the dashboard shows: the active jobs (those the stages serve) and the newest
+    DASHBOARD_RECENT of any state, newest first; O(active jobs), whatever the table holds."""
+    ensure_indexes(r)
+    newest, _ = page_of_jobs(r, state=None, after=None, limit=DASHBOARD_RECENT)
+    shown = {job_id for job_id, _ in newest}
+    active = sorted(m.decode() for m in r.smembers(keys.active_jobs()) if m.decode() not in shown)
+    raws = r.hmget(keys.jobs_index(), active) if active else []
+    recs, unreadable = _parsed([*newest, *zip(active, raws, strict=True)])
+    return sorted(recs, key=lambda j: -j.created_at), unreadable
 
 
 _TRANSITIONS = {
@@ -171,7 +240,7 @@ def delete_job(
                         marked = True
                     found = list(pipe.scan_iter(match=keys.job_key_pattern(job_id), count=500))
                     pipe.multi()
-                    pipe.hdel(index, job_id)
+                    remove_job(pipe, job_id, raw)
                     pipe.srem(keys.active_jobs(), job_id)
                     for key in found:
                         pipe.delete(key)

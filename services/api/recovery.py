@@ -28,12 +28,13 @@ import logging
 from dataclasses import asdict, dataclass
 
 import redis
+from redis.client import Pipeline
 
 from shared import keys
 from shared.bus import Bus
 from shared.dataset import new_dataset, read_dataset
 from shared.fence import max_epoch
-from shared.job import JobRecord, JobState, insert_job
+from shared.job import JobRecord, JobState, JobTaken, insert_job
 from shared.ledger import init_ledger
 from shared.policy import init_pointer
 from shared.schema import decode_heartbeat
@@ -123,14 +124,20 @@ def recover_jobs(r: redis.Redis, store: ObjectStore, job_ids: list[str] | None =
         for key in list(r.scan_iter(match=keys.job_key_pattern(rec.id), count=500)):
             r.delete(key)
         Bus.ensure_groups(r, rec.id)
-        pipe = r.pipeline(transaction=True)
-        insert_job(pipe, rec)
-        init_pointer(pipe, rec.id, o.checkpoint_step)
-        pipe.set(keys.trainer_epoch(rec.id), max_epoch(store, rec.id))
-        init_ledger(pipe, rec.id, o.groups_trained)
-        if not finished:
-            pipe.sadd(keys.active_jobs(), rec.id)
-        pipe.execute()
+        epoch = max_epoch(store, rec.id)
+
+        def keys_beside(pipe: Pipeline, o: Orphan = o, rec: JobRecord = rec, epoch: int = epoch) -> None:
+            init_pointer(pipe, rec.id, o.checkpoint_step)
+            pipe.set(keys.trainer_epoch(rec.id), epoch)
+            init_ledger(pipe, rec.id, o.groups_trained)
+            if rec.state != JobState.completed:
+                pipe.sadd(keys.active_jobs(), rec.id)
+
+        try:
+            insert_job(r, rec, also=keys_beside)
+        except JobTaken:  # registered meanwhile (another recover call): never over it
+            log.warning("job %s: registered meanwhile; left as it is", rec.id)
+            continue
         log.warning("job %s: registered again from the store (%s)", rec.id, asdict(o))
         done.append(rec.id)
     # Services that remember the lost dataset carry on with the recovered one.

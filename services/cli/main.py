@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -281,17 +282,21 @@ def status(job_id: Annotated[str | None, typer.Argument()] = None, api: str | No
 def jobs(
     api: str | None = None,
     orphaned: Annotated[bool, typer.Option(help="Only jobs the store holds but Redis lost.")] = False,
+    state: Annotated[str | None, typer.Option(help="Only jobs in this state (running, completed, ...).")] = None,
 ) -> None:
-    """List jobs, then any the object store holds but Redis does not know (Redis lost them)."""
+    """List jobs, newest first, then any the object store holds but Redis does not know (Redis lost them)."""
     import httpx
 
     if not orphaned:
-        resp = httpx.get(f"{_api(api)}/v1/jobs", headers=_headers(), timeout=10)
-        resp.raise_for_status()
-        for j in resp.json():
-            console.print(f"{j['id']:<24} {j['state']:<10} steps={j['spec']['steps']} task={j['spec']['task']}")
-        if bad := resp.headers.get("x-burstrl-unreadable-jobs"):
-            console.print(f"[red]unreadable job records (not served; `burstrl delete ID` removes one):[/] {bad}")
+        bad: list[str] = []
+        for page in _job_pages(f"{_api(api)}/v1/jobs", state):
+            for j in page.json():
+                console.print(f"{j['id']:<24} {j['state']:<10} steps={j['spec']['steps']} task={j['spec']['task']}")
+            bad += [x for x in page.headers.get("x-burstrl-unreadable-jobs", "").split(",") if x]
+        if bad:
+            console.print(
+                f"[red]unreadable job records (not served; `burstrl delete ID` removes one):[/] {','.join(bad)}"
+            )
     lost = httpx.get(f"{_api(api)}/v1/orphans", headers=_headers(), timeout=60).raise_for_status().json()
     for o in lost:
         how = "recoverable: burstrl recover" if o["recoverable"] else f"not recoverable: {o['reason']}"
@@ -299,6 +304,26 @@ def jobs(
             f"[red]{o['job_id']:<24} orphaned[/]   checkpoint step {o['checkpoint_step']}/{o['steps']} "
             f"({o['groups_trained']} groups trained); {how}"
         )
+
+
+def _job_pages(url: str, state: str | None) -> Iterator[Any]:
+    """Every page of GET /v1/jobs: each answer's `Link: <...>; rel="next"` carries the next
+    page's cursor (read from it, and sent to `url` as given: a proxy may rewrite the host)."""
+    import httpx
+
+    params = {"state": state} if state else {}
+    with httpx.Client(headers=_headers(), timeout=30) as client:
+        while True:
+            resp = client.get(url, params=params)
+            if resp.status_code == 422:
+                console.print(f"[red]{resp.json()['detail']}[/]")
+                raise typer.Exit(1)
+            resp.raise_for_status()
+            yield resp
+            nxt = resp.links.get("next")
+            if not nxt:
+                return
+            params = {**params, "cursor": httpx.URL(nxt["url"]).params["cursor"]}
 
 
 @app.command()

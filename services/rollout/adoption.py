@@ -25,11 +25,11 @@ other job, and while it serves one, other jobs are refused. A remote engine refu
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import shutil
 import time
-import uuid
 from pathlib import Path
 
 from services.rollout.engine import Adapter, Engine
@@ -75,6 +75,9 @@ class Adopter:
         self.rt, self.s, self.engine, self.store = rt, settings, engine, store
         self.leases, self.reporter, self.jobs, self.cache = leases, reporter, jobs, cache
         self._attempts: dict[tuple[str, int], int] = {}  # (job, version) -> adoption attempts
+        # Reloads of a served version (after a failed swap, or a probe) get `-r{n}`: a name this
+        # engine never had, by construction (a random suffix could repeat one).
+        self._reloads = itertools.count(1)
         # The job whose full weights the engine serves as its base model (None: the pool's
         # base model). While set, this pool serves that job only.
         self.full_owner: str | None = None
@@ -199,7 +202,7 @@ class Adopter:
         if swapped_out and cur.adapter is not None and cur.folder is not None:
             # Reload the old version from its verified folder under a new name (never reuse one).
             cur.adapter = self.engine.load_adapter(
-                f"{cur.adapter.name}-r{uuid.uuid4().hex[:4]}", str(cur.folder.resolve())
+                f"{cur.adapter.name}-r{next(self._reloads)}", str(cur.folder.resolve())
             )
 
     # -- full weights ----------------------------------------------------------------
@@ -331,7 +334,7 @@ class Adopter:
             if cur.adapter is not None:
                 self.engine.unload(cur.adapter)
                 cur.adapter = None  # until reloaded: a failure here is retried on the next check
-            name = f"{view.id}-policy-v{cur.version}-r{uuid.uuid4().hex[:4]}"
+            name = f"{view.id}-policy-v{cur.version}-r{next(self._reloads)}"
             adapter = self.engine.load_adapter(name, str(cur.folder.resolve()))
             try:
                 if cur.probe:

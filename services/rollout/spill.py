@@ -204,7 +204,7 @@ class Spiller:
                 items.append((e, group_head(e.data)))
             except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as err:
                 self.bus.dead_letter(e, f"undecodable GroupMsg: {err}")
-        seg = new_segment_id()  # taken in stream order: the trainer's `oldest` order
+        seg = new_segment_id(self.r, rec.id)  # taken in stream order: the trainer's `oldest` order
         if self._pool is None:
             self._pool = ThreadPoolExecutor(SPILL_WRITERS, thread_name_prefix="spill-write")
         if not items:
@@ -308,7 +308,7 @@ class Spiller:
 
 
 def _created(seg: str) -> float:
-    """The creation time a segment id carries (shared/backlog.py, new_segment_id); 0 if unparsable."""
+    """The creation time a segment id carries (shared/segments.py, new_segment_id); 0 if unparsable."""
     try:
         return int(seg.split("-")[1]) / 1e9
     except (IndexError, ValueError):

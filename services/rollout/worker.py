@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import logging
 import shutil
-import uuid
+import tempfile
+from pathlib import Path
 
 from services.rollout.adoption import Adopter
 from services.rollout.agents import AgentServer
@@ -49,7 +50,9 @@ class RolloutWorker:
         self.rt, self.s, self.engine = rt, settings, engine
         self.bus = rt.stage_bus(keys.GROUP_ROLLOUT)
         self.jobs: dict[str, ServedJob] = {}
-        self.cache = settings.data_dir / "adapters" / f"{settings.replica}-{uuid.uuid4().hex[:6]}"
+        # This process's own folder (mkdtemp: never another replica's, even one of the same name).
+        (settings.data_dir / "adapters").mkdir(parents=True, exist_ok=True)
+        self.cache = Path(tempfile.mkdtemp(prefix=f"{settings.replica}-", dir=settings.data_dir / "adapters"))
         self.engine_ok = True
         self.reporter = Reporter(rt)
         self.leases = Leases(engine, rt.registry, settings.max_model_len, settings.model)

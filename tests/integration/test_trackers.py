@@ -18,7 +18,7 @@ from services.api import jobs
 from services.api.app import build_routes
 from services.api.settings import ApiSettings
 from services.cli.track import ApiSource, RedisSource, flatten, open_bridge, run_bridge
-from shared.job import JobSpec, JobState, insert_job
+from shared.job import JobSpec, JobState, set_state
 from shared.metrics import record_eval, record_point
 from shared.service import ServiceRuntime
 
@@ -42,9 +42,7 @@ def _seed(r, steps: int = 4) -> str:
 
 
 def _finish(r, job_id: str, version: int) -> None:
-    rec = jobs.get_job(r, job_id=job_id)
-    rec.state = JobState.completed
-    insert_job(r, rec)
+    set_state(r, job_id, JobState.completed, only_from={JobState.running})
     r.set(f"burstrl:{job_id}:policy", version)
 
 

@@ -14,8 +14,9 @@ from services.api import jobs, overview
 from services.api.deps import Redis
 
 STATIC = Path(__file__).resolve().parents[1] / "static"
-# Served without a token (services/api/app.py's PUBLIC_PATHS names them).
-PAGE_PATHS = {"/", "/dashboard", "/dashboard/static"}
+# Served without a token (services/api/app.py publishes them).
+PAGE_PATHS = {"/", "/dashboard"}
+STATIC_MOUNT = "/dashboard/static"
 # The page is ours and self-contained: scripts and styles only from the api itself.
 PAGE_HEADERS = {
     "Content-Security-Policy": (
@@ -31,10 +32,11 @@ router = APIRouter(prefix="/v1/dashboard", tags=["dashboard"])
 
 @router.get("")
 def dashboard_data(r: Redis) -> dict[str, Any]:
-    """Services, and per job: queues, ledger, policy pointer and its adoption by replicas;
-    `unreadable`: job id -> why its stored record cannot be read (those jobs are not served)."""
-    recs, unreadable = jobs.read_jobs(r)
-    return {**overview.overview(r, sorted(recs, key=lambda j: -j.created_at)), "unreadable": unreadable}
+    """Services, and per job (the active ones and the newest few, newest first): queues, ledger,
+    policy pointer and its adoption by replicas; `unreadable`: job id -> why its stored record
+    cannot be read (those jobs are not served)."""
+    recs, unreadable = jobs.dashboard_jobs(r)
+    return {**overview.overview(r, recs), "unreadable": unreadable}
 
 
 page = APIRouter(include_in_schema=False)
@@ -53,4 +55,4 @@ def dashboard_page() -> FileResponse:
 def mount_page(app: FastAPI) -> None:
     """The page, its redirect and its static files (no token)."""
     app.include_router(page)
-    app.mount("/dashboard/static", StaticFiles(directory=STATIC), name="dashboard-static")
+    app.mount(STATIC_MOUNT, StaticFiles(directory=STATIC), name="dashboard-static")
