@@ -8,6 +8,7 @@ from services.api.app import build_routes
 from services.api.feeder import Feeder
 from services.api.recovery import orphaned_jobs
 from services.api.settings import ApiSettings
+from shared.job import ensure_indexes
 from shared.service import ServiceRuntime, setup_logging
 from shared.store import open_store
 
@@ -22,6 +23,7 @@ def main() -> None:
     build_routes(rt, store)
     rt.start()
     rt.preflight()
+    ensure_indexes(rt.redis)  # a Redis written before the job table's indexes gets them here
     feeder = Feeder(rt.redis, store)
     checked = [0.0]
 
