@@ -28,6 +28,14 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from shared import __version__, http_errors, keys, redact
 from shared.bus import Bus
 from shared.dataset import DatasetGuard
+from shared.http_door import (
+    FILES_BESIDE_CONNECTIONS,
+    BodyDeadline,
+    TokenGate,
+    public_paths,
+    raise_open_files,
+    server_config,
+)
 from shared.http_errors import SafeJSONResponse
 from shared.redis_conn import RedisPolicyError, check_server, connect, refusal
 from shared.schema import Heartbeat, encode_heartbeat
@@ -80,14 +88,25 @@ class Health:
             return any(not ok for ok, _, _ in self._checks.values())
 
 
+# Probes and scrapers carry no secrets: these answer without the token, in every service.
+HEALTH_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+
+
+def token_ok(settings: CommonSettings, authorization: str | None) -> bool:
+    """Whether an `Authorization` header holds `Bearer <the token>` (compared in constant time)."""
+    if settings.dev and not settings.token:
+        return True  # local-dev mode binds to loopback only (enforced by settings)
+    scheme, _, given = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), settings.token.encode())
+
+
 def bearer_auth(settings: CommonSettings) -> Callable[..., None]:
-    """A dependency that checks `Authorization: Bearer <token>` in constant time."""
+    """A dependency that checks the token (the door's TokenGate has checked it already, before
+    the body; this keeps a route closed whatever the gate's public paths say, and documents the
+    header in the OpenAPI document)."""
 
     def check(authorization: Annotated[str | None, Header()] = None) -> None:
-        if settings.dev and not settings.token:
-            return  # local-dev mode binds to loopback only (enforced by settings)
-        scheme, _, given = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), settings.token.encode()):
+        if not token_ok(settings, authorization):
             raise HTTPException(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
 
     return check
@@ -107,6 +126,10 @@ class ServiceRuntime:
         self.redis = connect(settings.redis_url)
         self.dataset = DatasetGuard(self.redis)
         self.auth = Depends(bearer_auth(settings))
+        # Served without the token (a service adds its own with `publish`).
+        self._public_paths = set(HEALTH_PATHS)
+        self._public_mounts: set[str] = set()
+        self._is_public = public_paths(self._public_paths)
         self.app = self._build_app()
         self.started_at = time.time()
 
@@ -114,6 +137,14 @@ class ServiceRuntime:
         # Every answer encodes, and every error answer is small (shared/http_errors.py).
         app = FastAPI(title=f"burstrl {self.role}", version=__version__, default_response_class=SafeJSONResponse)
         http_errors.install(app)
+        # The door (shared/http_door.py): the token from the head before any body is read, and a
+        # deadline for the body. Middleware added last runs first: the gate, then the deadline.
+        app.add_middleware(BodyDeadline, timeout_s=self.settings.http_body_timeout_s)
+        app.add_middleware(
+            TokenGate,
+            token_ok=lambda header: token_ok(self.settings, header),
+            public=lambda path: self._is_public(path),
+        )
 
         @app.get("/healthz", tags=["health"])
         def healthz() -> dict[str, Any]:
@@ -138,14 +169,19 @@ class ServiceRuntime:
 
         return app
 
+    def publish(self, *paths: str, mounts: tuple[str, ...] = ()) -> None:
+        """Serve `paths` (exactly) and everything under `mounts` without the token."""
+        self._public_paths.update(paths)
+        self._public_mounts.update(mounts)
+        self._is_public = public_paths(self._public_paths, self._public_mounts)
+
     # -- lifecycle -----------------------------------------------------------------
     def start(self) -> None:
         """Start the HTTP server and heartbeat threads; SIGTERM/SIGINT set `stop`."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop.set())
-        config = uvicorn.Config(
-            self.app, host=self.settings.host, port=self.port, log_level="warning", access_log=False
-        )
+        raise_open_files(self.settings.http_max_connections + FILES_BESIDE_CONNECTIONS)
+        config = server_config(self.app, self.settings, host=self.settings.host, port=self.port)
         self._server = uvicorn.Server(config)
         threading.Thread(target=self._server.run, name="http", daemon=True).start()
         threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()

@@ -75,6 +75,47 @@ class CommonSettings(BaseSettings):
         "Entries of a replica whose heartbeat expired are taken over at once.",
     )
 
+    # The HTTP server's door (shared/http_door.py): what a client may hold of it, and for how long.
+    http_max_connections: int = Field(
+        2048,
+        validation_alias="BURSTRL_HTTP_MAX_CONNECTIONS",
+        ge=16,
+        le=1_000_000,
+        description="Open connections (or requests in flight) past which a request is answered 503 (uvicorn's "
+        "limit_concurrency); the service raises its open-file limit to hold them (deploy/README.md).",
+    )
+    http_keep_alive_s: int = Field(
+        5,
+        validation_alias="BURSTRL_HTTP_KEEP_ALIVE_S",
+        ge=1,
+        le=600,
+        description="An idle connection is closed this long after its last response (uvicorn's timeout_keep_alive).",
+    )
+    http_head_timeout_s: float = Field(
+        10.0,
+        validation_alias="BURSTRL_HTTP_HEAD_TIMEOUT_S",
+        gt=0,
+        le=600,
+        description="A request's head (request line and headers) must arrive within this long of the connection "
+        "opening or of the last response; else the connection is closed (slow-loris headers, idle sockets).",
+    )
+    http_header_max_bytes: int = Field(
+        64 * 1024,
+        validation_alias="BURSTRL_HTTP_HEADER_MAX_BYTES",
+        ge=4096,
+        le=16 * 1024 * 1024,
+        description="A request head larger than this is answered 431 and its connection closed, unread "
+        "(h11's max_incomplete_event_size).",
+    )
+    http_body_timeout_s: float = Field(
+        30.0,
+        validation_alias="BURSTRL_HTTP_BODY_TIMEOUT_S",
+        gt=0,
+        le=3600,
+        description="A request body must arrive whole within this long of its head; else 408 and the connection "
+        "is closed (slow-loris bodies).",
+    )
+
     @model_validator(mode="after")
     def _token_required_outside_dev(self) -> Self:
         if self.dev:

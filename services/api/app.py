@@ -16,13 +16,13 @@ from services.api.routes.dashboard import PAGE_PATHS, STATIC_MOUNT, mount_page
 from services.api.tinker import routes as tinker_routes
 from shared.domain.envs import load_env_plugins
 from shared.domain.verifiers import load_plugins
-from shared.service import ServiceRuntime
+from shared.service import HEALTH_PATHS, ServiceRuntime
 from shared.store import ObjectStore
 
 # Paths served without a token: liveness/readiness/Prometheus (scrapers and probes carry
 # no secrets) and the dashboard's page and static files (the page holds no data; every JSON
 # endpoint it calls stays authenticated). tests/integration/test_api_fuzz.py checks every other route.
-PUBLIC_PATHS = {"/healthz", "/readyz", "/metrics", *PAGE_PATHS, STATIC_MOUNT}
+PUBLIC_PATHS = {*HEALTH_PATHS, *PAGE_PATHS, STATIC_MOUNT}
 
 
 def build_routes(rt: ServiceRuntime, store: ObjectStore | None = None) -> FastAPI:
@@ -40,6 +40,7 @@ def build_routes(rt: ServiceRuntime, store: ObjectStore | None = None) -> FastAP
     tinker_routes.install(rt)  # the Tinker API, under /api/v1, with its own key (docs/tinker.md)
     _protect_openapi(rt)
     mount_page(app)
+    rt.publish(*PAGE_PATHS, mounts=(STATIC_MOUNT,))
     return app
 
 

@@ -11,6 +11,7 @@ import json
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shared.limits import BODY_MAX_BYTES
@@ -88,6 +89,8 @@ class BodyLimit:
 
 
 def install(app: FastAPI, max_bytes: int = BODY_MAX_BYTES) -> None:
-    """The body limit, outermost: before anything reads the body (the small, encodable error
-    answers every service gives are shared/http_errors.py's, installed by ServiceRuntime)."""
-    app.add_middleware(BodyLimit, max_bytes=max_bytes)
+    """The body limit: before anything reads the body, but inside the door's token gate
+    (shared/http_door.py), so a client without the token hears 401, never a limit. (The small,
+    encodable error answers every service gives are shared/http_errors.py's, installed by
+    ServiceRuntime.)"""
+    app.user_middleware.append(Middleware(BodyLimit, max_bytes=max_bytes))  # innermost; add_middleware: outermost

@@ -104,6 +104,7 @@ def test_every_services_errors_are_small_and_encodable(role: str, redis_server) 
         return {"text": "x\udcffy"}  # text from anywhere that holds a lone surrogate
 
     with TestClient(rt.app) as c:
+        c.headers["Authorization"] = f"Bearer {TOKEN}"  # every path but health needs it (shared/http_door.py)
         many = {f"k{i}": i for i in range(100_000)}  # ~1.3 MB of unknown keys
         resp = c.post("/echo", content=json.dumps(many).encode(), headers={"Content-Type": "application/json"})
         assert resp.status_code == 422 and len(resp.content) < 10_000, len(resp.content)

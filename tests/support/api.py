@@ -1,5 +1,6 @@
 """The api in-process for its tests: a TestClient with the token set, and the same app on a real
-uvicorn server on a free port (the api's own HTTP stack, for clients that speak real HTTP)."""
+uvicorn server on a free port, configured as every service's is (the api's own HTTP stack, for
+clients that speak real HTTP)."""
 
 from __future__ import annotations
 
@@ -36,8 +37,12 @@ def served(app: object) -> Iterator[str]:
     """`app` on uvicorn at 127.0.0.1:<free port>; yields its base URL."""
     import uvicorn
 
+    from shared.http_door import server_config
+    from shared.settings import CommonSettings
+
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    # The door every service's server keeps, at its default settings (shared/http_door.py).
+    server = uvicorn.Server(server_config(app, CommonSettings(dev=True), host="127.0.0.1", port=port))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 20
