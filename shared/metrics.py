@@ -137,12 +137,21 @@ def record_eval(r: redis.Redis, job_id: str, version: int, result: dict[str, Any
 
 
 def read_evals(r: redis.Redis, job_id: str) -> list[dict[str, Any]]:
-    evals = [json.loads(v) for v in r.hgetall(keys.evals(job_id)).values()]
-    return sorted(evals, key=lambda e: e["version"])
+    return evals_of(r.hgetall(keys.evals(job_id)))
+
+
+def evals_of(raw: dict[bytes, bytes]) -> list[dict[str, Any]]:
+    """The evaluations in a job's evals hash as read (HGETALL), oldest version first."""
+    return sorted((json.loads(v) for v in raw.values()), key=lambda e: e["version"])
 
 
 def read_ledger(r: redis.Redis, job_id: str) -> dict[str, int]:
     """The job's counters plus in_flight = fed - consumed (see shared/ledger.py)."""
-    led = {k.decode(): int(v) for k, v in r.hgetall(keys.ledger(job_id)).items()}
+    return ledger_of(r.hgetall(keys.ledger(job_id)))
+
+
+def ledger_of(raw: dict[bytes, bytes]) -> dict[str, int]:
+    """A job's ledger hash as read (HGETALL), with in_flight."""
+    led = {k.decode(): int(v) for k, v in raw.items()}
     led["in_flight"] = led.get("fed", 0) - consumed(led)
     return led

@@ -67,7 +67,12 @@ return 0
 
 def read_pointer(r: redis.Redis, job_id: str) -> int:
     """The newest published policy version of a job (0: the base model, nothing published yet)."""
-    return int(r.get(keys.policy_pointer(job_id)) or 0)
+    return pointer_of(r.get(keys.policy_pointer(job_id)))
+
+
+def pointer_of(raw: bytes | None) -> int:
+    """A job's pointer as read (GET)."""
+    return int(raw or 0)
 
 
 def init_pointer(pipe: redis.client.Pipeline, job_id: str, version: int = 0) -> None:

@@ -16,8 +16,8 @@ import redis
 from shared import keys
 from shared.backlog import summary as backlog_summary
 from shared.job import JobRecord
-from shared.metrics import read_evals, read_ledger
-from shared.policy import read_pointer
+from shared.metrics import evals_of, ledger_of
+from shared.policy import pointer_of
 from shared.schema import decode_heartbeat
 
 # Stage streams in pipeline order, with the consumer group that reads each.
@@ -56,27 +56,49 @@ def trainer_waits(r: redis.Redis, job_id: str) -> list[str]:
     ]
 
 
-def stream_info(r: redis.Redis, stream: str, group: str) -> dict[str, Any]:
-    """Length of a stage stream and how far its consumer group is behind."""
-    info: dict[str, Any] = {"length": int(r.xlen(stream)), "pending": 0, "lag": None}
-    try:
-        groups = r.xinfo_groups(stream)
-    except redis.ResponseError:  # no such stream yet
-        return info
+def _group_info(groups: Any, group: str) -> tuple[int, int | None]:
+    """(pending, lag) of `group` in an XINFO GROUPS answer (an error: no such stream yet)."""
+    if isinstance(groups, Exception):
+        return 0, None
     for g in groups:
         if _s(g.get("name", b"")) == group:
-            info["pending"] = int(g.get("pending", 0) or 0)
             lag = g.get("lag")
-            info["lag"] = int(lag) if lag is not None else None  # Redis < 7 has no lag
-    return info
+            return int(g.get("pending", 0) or 0), int(lag) if lag is not None else None  # Redis < 7 has no lag
+    return 0, None
 
 
-def job_overview(r: redis.Redis, rec: JobRecord, services: list[dict[str, Any]]) -> dict[str, Any]:
+def _job_reads(r: redis.Redis, job_ids: list[str]) -> dict[str, dict[str, Any]]:
+    """Per job, what its line on the dashboard reads: each stage stream's length and how far its
+    consumer group is behind, the dead-letter stream's length, the policy pointer, the ledger and
+    the evaluations; one round trip for every job (a pipeline), not a dozen per job."""
+    pipe = r.pipeline(transaction=False)
+    for job_id in job_ids:
+        for stream in keys.job_streams(job_id):
+            pipe.xlen(stream)
+            pipe.xinfo_groups(stream)
+        pipe.xlen(keys.dead_letter(job_id))
+        pipe.get(keys.policy_pointer(job_id))
+        pipe.hgetall(keys.ledger(job_id))
+        pipe.hgetall(keys.evals(job_id))
+    answers = iter(pipe.execute(raise_on_error=False))
+    out = {}
+    for job_id in job_ids:
+        queues = {}
+        for name, group in zip(STAGES, keys.job_streams(job_id).values(), strict=True):
+            length, groups = next(answers), next(answers)
+            pending, lag = _group_info(groups, group)
+            queues[name] = {"length": int(length), "pending": pending, "lag": lag}
+        queues["dead"] = {"length": int(next(answers)), "pending": 0, "lag": None}
+        pointer, ledger, evals = pointer_of(next(answers)), ledger_of(next(answers)), evals_of(next(answers))
+        out[job_id] = {"queues": queues, "pointer": pointer, "ledger": ledger, "evals": evals}
+    return out
+
+
+def job_overview(
+    r: redis.Redis, rec: JobRecord, services: list[dict[str, Any]], read: dict[str, Any]
+) -> dict[str, Any]:
     """One job's queues, ledger, policy pointer and which version each replica serves."""
-    streams = keys.job_streams(rec.id)
-    queues = {name: stream_info(r, stream, streams[stream]) for name, stream in zip(STAGES, streams, strict=True)}
-    queues["dead"] = {"length": int(r.xlen(keys.dead_letter(rec.id))), "pending": 0, "lag": None}
-    pointer = read_pointer(r, rec.id)
+    pointer, ledger, evals = read["pointer"], read["ledger"], read["evals"]
     # Adoption: rollout and trainer replicas report {job: version} in their heartbeat.
     adoption = []
     for svc in services:
@@ -84,8 +106,6 @@ def job_overview(r: redis.Redis, rec: JobRecord, services: list[dict[str, Any]])
         if isinstance(versions, dict) and isinstance(versions.get(rec.id), int):
             v = versions[rec.id]
             adoption.append({"role": svc["role"], "replica": svc["replica"], "version": v, "behind": pointer - v})
-    evals = read_evals(r, rec.id)
-    ledger = read_ledger(r, rec.id)
     return {
         "id": rec.id,
         "state": rec.state.value,
@@ -94,7 +114,7 @@ def job_overview(r: redis.Redis, rec: JobRecord, services: list[dict[str, Any]])
         "created_at": rec.created_at,
         "policy_version": pointer,
         "ledger": ledger,
-        "queues": queues,
+        "queues": read["queues"],
         "adoption": adoption,
         "last_eval": evals[-1] if evals else None,
         # The disk tier: groups, bytes, the age of the oldest, and the budget that is full (None: windowed job).
@@ -104,8 +124,9 @@ def job_overview(r: redis.Redis, rec: JobRecord, services: list[dict[str, Any]])
 
 def overview(r: redis.Redis, jobs: list[JobRecord]) -> dict[str, Any]:
     services = list_services(r)
+    reads = _job_reads(r, [rec.id for rec in jobs])
     return {
         "at": time.time(),
         "services": services,
-        "jobs": [job_overview(r, rec, services) for rec in jobs],
+        "jobs": [job_overview(r, rec, services, reads[rec.id]) for rec in jobs],
     }
