@@ -405,8 +405,11 @@ def ensure_indexes(r: redis.Redis, *, attempts: int = 5) -> bool:
     """Rebuild the table's indexes from the records when they do not cover it (a Redis written
     before they existed, a record written by hand: the counts differ); True if rebuilt.
 
-    O(1) when they agree (HLEN against ZCARD), so the api checks on every listing and at start."""
+    One round trip when they agree (HLEN against ZCARD), so the api checks on every listing and
+    at start."""
     table, every_job = keys.jobs_index(), keys.jobs_by_created()
+    if len(set(r.pipeline(transaction=False).hlen(table).zcard(every_job).execute())) == 1:
+        return False
     for _ in range(attempts):
         with r.pipeline(transaction=True) as pipe:
             try:
