@@ -1,7 +1,7 @@
 """The control plane at 10,000 jobs, ids under contention, and the HTTP door (issue 47 items 1-3),
 this tree's api against an older revision's, side by side on one Redis.
 
-    python bench/control_plane.py [--jobs 10000] [--old-rev main] [--out bench/results/control_plane.json]
+    .venv/bin/python bench/control_plane.py [--jobs 10000] [--old-rev main] [--out bench/results/control_plane.md]
 
 A redis-server of its own (tests/support/servers.py) and the services as real processes
 (`python -m services.<role>`, run from this tree, and from `--old-rev` extracted with `git archive`),
@@ -19,7 +19,9 @@ the request paths alone.
    the api; an unauthenticated 200 MiB body to the api and to the reward service: each process's
    RSS and peak RSS growth (/proc).
 
-Writes its JSON to `--out`. Imports only the product and tests/support.
+With `--out`, its page there and its results (with its headline figures) beside it as JSON
+(tests/support/lab/results.py); `--report-only JSON` rebuilds both from such results. Imports only
+the product and tests/support.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import socket
 import statistics
@@ -51,6 +52,7 @@ from services.api import jobs  # noqa: E402
 from services.cli.launch import free_port, terminate  # noqa: E402
 from shared import keys  # noqa: E402
 from shared.job import JobSpec, JobState  # noqa: E402
+from tests.support.lab.results import Figure, emit, figure, shown_command, table  # noqa: E402
 from tests.support.servers import RedisServer  # noqa: E402
 
 TOKEN = "bench-control-plane-token-0123456789"
@@ -296,17 +298,10 @@ def door(tree: Tree, redis_url: str, home: Path) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--jobs", type=int, default=10_000)
-    ap.add_argument("--old-rev", default="main", help="the revision to compare with ('' for none)")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "control_plane.json")
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: ids, many, door")
-    args = ap.parse_args()
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     skip = set(filter(None, args.skip.split(",")))
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # this process holds the 1,100 sockets
-
     here = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     result: dict[str, Any] = {
         "bench": "control_plane",
@@ -314,8 +309,6 @@ def main() -> None:
         "old_rev": args.old_rev or None,
         "jobs": args.jobs,
         "active": ACTIVE,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_1m": os.getloadavg()[0]},
-        "at": time.time(),
     }
     with tempfile.TemporaryDirectory(prefix="burstrl-cp-") as tmp:
         home = Path(tmp)
@@ -363,10 +356,164 @@ def main() -> None:
                         print(tree.name, "door:", json.dumps(result["door"][tree.name]), flush=True)
         finally:
             redis.kill()
-    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    return result
+
+
+def _ms(x: dict[str, Any] | None) -> str:
+    return f"{x['median_ms']:g} ms (p95 {x['p95_ms']:g})" if x else "-"
+
+
+def figures(d: dict[str, Any]) -> list[Figure]:
+    """The issue's targets, this tree against the old revision where it ran."""
+    out: list[Figure] = []
+    n, many = d["jobs"], d.get("many_jobs") or {}
+    new, old = many.get("new") or {}, many.get("old") or {}
+    if new:
+        page, dash = new["jobs_first_page"], new["dashboard"]
+        whole, old_dash = old.get("jobs_all"), old.get("dashboard")
+        out.append(
+            figure(
+                f"GET /v1/jobs at {n:,} jobs: a page of 100 (median), against the whole list",
+                f"{page['median_ms']:g} ms",
+                f"{whole['median_ms']:g} ms" if whole else None,
+                whole["median_ms"] / page["median_ms"] if whole else None,
+                "<= 100 ms",
+            )
+        )
+        out.append(
+            figure(
+                f"/v1/dashboard at {n:,} jobs, {d['active']} active (median)",
+                f"{dash['median_ms']:g} ms",
+                f"{old_dash['median_ms']:g} ms" if old_dash else None,
+                old_dash["median_ms"] / dash["median_ms"] if old_dash else None,
+                "<= 200 ms",
+            )
+        )
+    ids = d.get("ids") or {}
+    if "new" in ids:
+        o = ids.get("old")
+        out.append(
+            figure(
+                f"jobs overwritten in {ids['new']['submitted']:,} same-name submissions",
+                str(ids["new"]["overwritten"]),
+                str(o["overwritten"]) if o else None,
+                None,
+                "0",
+            )
+        )
+    door_new, door_old = (d.get("door") or {}).get("new"), (d.get("door") or {}).get("old")
+    if door_new:
+        idle, idle_old = door_new["idle_connections"], (door_old or {}).get("idle_connections")
+        out.append(
+            figure(
+                f"normal requests with {idle['held']:,} idle connections held: failed, slowest",
+                f"{idle['failed']}/{idle['requests']} failed, slowest {idle['max_ms']:g} ms",
+                f"{idle_old['failed']}/{idle_old['requests']} failed" if idle_old else None,
+                None,
+                "served within 2 s",
+            )
+        )
+        for key, what in (
+            ("header_100mib", "a 100 MiB header: the api's peak RSS growth"),
+            (
+                "unauthenticated_body_200mib_reward",
+                "an unauthenticated 200 MiB body: the reward service's peak RSS growth",
+            ),
+        ):
+            mine, theirs = door_new[key], (door_old or {}).get(key)
+            out.append(
+                figure(
+                    what,
+                    f"{mine['peak_growth_mb']:g} MB ({mine['answer']})",
+                    f"{theirs['peak_growth_mb']:g} MB ({theirs['answer']})" if theirs else None,
+                    None,
+                    "<= 10 MB",
+                )
+            )
+    return out
+
+
+def report(d: dict[str, Any], cmd: str) -> str:
+    old = d.get("old_rev") or "none"
+    lines = [
+        "# The control plane at many jobs, ids under contention, and the HTTP door",
+        "",
+        f"`{cmd}`: this tree's services (commit {d['commit']}) against those of `{old}`, on one redis-server, as "
+        "real processes (bench/control_plane.py says how each part runs).",
+        "",
+    ]
+    lines += table(
+        ["figure", "this tree", old, "target"],
+        [(f["figure"], f["value"], f["baseline"] or "-", f["target"] or "-") for f in figures(d)],
+    )
+    many = d.get("many_jobs") or {}
+    if many:
+        lines += ["", f"## {d['jobs']:,} jobs, {d['active']} active", ""]
+        rows = [(f"{side}: {what}", _ms(x), x["bytes"]) for side, got in many.items() for what, x in got.items()]
+        lines += table(["request", "median (p95)", "bytes"], rows)
+    if d.get("ids"):
+        lines += ["", "## Same-name submissions (16 at a time, over HTTP)", ""]
+        lines += table(
+            ["api", "answered 201", "distinct ids", "stored", "overwritten", "seconds"],
+            [
+                (side, x["answered_201"], x["distinct_ids"], x["stored"], x["overwritten"], x["seconds"])
+                for side, x in d["ids"].items()
+            ],
+        )
+    if d.get("door"):
+        lines += ["", "## The door (services started with a soft open-file limit of 1,024)", ""]
+        rows = []
+        for side, x in d["door"].items():
+            i = x["idle_connections"]
+            rows.append(
+                (
+                    side,
+                    x["api_soft_open_files"],
+                    f"{i['held']} held: {i['failed']}/{i['requests']} failed, median {i['median_ms']:g} ms, "
+                    f"max {i['max_ms']:g} ms",
+                    *(
+                        f"{x[k]['answer']}, RSS +{x[k]['rss_growth_mb']:g} MB, peak +{x[k]['peak_growth_mb']:g} MB"
+                        for k in (
+                            "header_100mib",
+                            "unauthenticated_body_200mib_api",
+                            "unauthenticated_body_200mib_reward",
+                        )
+                    ),
+                )
+            )
+        lines += table(
+            [
+                "tree",
+                "api open files",
+                "idle connections",
+                "100 MiB header (api)",
+                "200 MiB body (api)",
+                "200 MiB body (reward)",
+            ],
+            rows,
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--jobs", type=int, default=10_000)
+    ap.add_argument("--old-rev", default="main", help="the revision to compare with ('' for none)")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: ids, many, door")
+    ap.add_argument("--out", type=Path, default=None, help="The page (and its .json beside it); default: stdout only.")
+    ap.add_argument("--report-only", type=Path, default=None, help="Rebuild the page from this results JSON.")
+    args = ap.parse_args()
+    if args.report_only:
+        data = json.loads(args.report_only.read_text())
+        cmd = data.get("command") or shown_command(
+            __file__, ["--jobs", str(data["jobs"]), "--old-rev", data["old_rev"] or ""]
+        )
+        data = {k: v for k, v in data.items() if k not in ("command", "headline")}
+    else:
+        cmd = shown_command(__file__)
+        data = measure(args)
+    emit(report(data, cmd), args.out, data, figures=figures(data), command=cmd)
 
 
 if __name__ == "__main__":
