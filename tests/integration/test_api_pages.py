@@ -177,3 +177,17 @@ def test_the_dashboard_reads_the_active_jobs_and_the_newest_few(client, r):
     assert finished[0] not in sum(last, [])
     resp = client.get("/v1/jobs", params={"state": "cancelled", "limit": 100})
     assert resp.headers["x-burstrl-unreadable-jobs"] == finished[0]
+
+
+def test_jobs_registered_again_after_redis_lost_them_are_paged(r, redis_server, tmp_path):
+    """`burstrl recover` after Redis came back empty: the recovered jobs are in the indexes, in
+    their first order (their records keep their creation time)."""
+    store_url = f"file://{tmp_path / 'store'}"
+    with api_client(redis_server.url, TOKEN, store_url) as c:
+        ids = _submit(c, 4)
+        c.post(f"/v1/jobs/{ids[0]}/cancel")  # cancelled after its copy was saved: recovered as running
+        r.flushall()  # Redis lost everything; the store's copies remain
+        assert _pages(c) == [[]]
+        assert sorted(c.post("/v1/orphans/recover").json()["recovered"]) == sorted(ids)
+        assert sum(_pages(c, limit=3), []) == ids[::-1]
+        assert sum(_pages(c, state="running"), []) == ids[::-1]
