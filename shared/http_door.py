@@ -39,6 +39,7 @@ import h11
 import uvicorn
 from fastapi import HTTPException
 from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
+from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -149,21 +150,19 @@ class DoorProtocol(H11Protocol):
 
 
 class TokenGate:
-    """Pure ASGI: 401 for a request to any path but the public ones whose head carries no valid
-    token, before anything reads its body (the route dependency checks it again, and documents it)."""
+    """Pure ASGI: a request whose head carries no valid credential for its path is answered from
+    the head, before anything reads its body. `refusal(path, headers)` is None to let it in, else
+    the HTTPException to answer (401: the route's own dependency raises the same one, and keeps
+    the route closed whatever the gate lets by)."""
 
-    def __init__(self, app: ASGIApp, *, token_ok: Callable[[str | None], bool], public: Callable[[str], bool]) -> None:
-        self.app, self.token_ok, self.public = app, token_ok, public
+    def __init__(self, app: ASGIApp, *, refusal: Callable[[str, Headers], HTTPException | None]) -> None:
+        self.app, self.refusal = app, refusal
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not self.public(scope["path"]):
-            given = dict(scope.get("headers") or []).get(b"authorization")
-            if not self.token_ok(given.decode("latin-1") if given is not None else None):
-                refusal = JSONResponse(
-                    {"detail": "missing or wrong bearer token"}, 401, headers={"WWW-Authenticate": "Bearer"}
-                )
-                await refusal(scope, receive, send)  # reads nothing of the body
-                return
+        if scope["type"] == "http" and (no := self.refusal(scope["path"], Headers(scope=scope))) is not None:
+            answer = JSONResponse({"detail": no.detail}, no.status_code, headers=no.headers)
+            await answer(scope, receive, send)  # reads nothing of the body
+            return
         await self.app(scope, receive, send)
 
 

@@ -24,6 +24,7 @@ from fastapi import Depends, FastAPI, Header, HTTPException
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.datastructures import Headers
 
 from shared import __version__, http_errors, keys, redact
 from shared.bus import Bus
@@ -100,14 +101,21 @@ def token_ok(settings: CommonSettings, authorization: str | None) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), settings.token.encode())
 
 
+def token_refusal(settings: CommonSettings, authorization: str | None) -> HTTPException | None:
+    """The 401 for a request without the token (None: it has it)."""
+    if token_ok(settings, authorization):
+        return None
+    return HTTPException(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
+
+
 def bearer_auth(settings: CommonSettings) -> Callable[..., None]:
     """A dependency that checks the token (the door's TokenGate has checked it already, before
     the body; this keeps a route closed whatever the gate's public paths say, and documents the
     header in the OpenAPI document)."""
 
     def check(authorization: Annotated[str | None, Header()] = None) -> None:
-        if not token_ok(settings, authorization):
-            raise HTTPException(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
+        if (refused := token_refusal(settings, authorization)) is not None:
+            raise refused
 
     return check
 
@@ -130,6 +138,7 @@ class ServiceRuntime:
         self._public_paths = set(HEALTH_PATHS)
         self._public_mounts: set[str] = set()
         self._is_public = public_paths(self._public_paths)
+        self._guards: list[tuple[str, Callable[[Headers], HTTPException | None]]] = []
         self.app = self._build_app()
         self.started_at = time.time()
 
@@ -140,11 +149,7 @@ class ServiceRuntime:
         # The door (shared/http_door.py): the token from the head before any body is read, and a
         # deadline for the body. Middleware added last runs first: the gate, then the deadline.
         app.add_middleware(BodyDeadline, timeout_s=self.settings.http_body_timeout_s)
-        app.add_middleware(
-            TokenGate,
-            token_ok=lambda header: token_ok(self.settings, header),
-            public=lambda path: self._is_public(path),
-        )
+        app.add_middleware(TokenGate, refusal=self._refusal)
 
         @app.get("/healthz", tags=["health"])
         def healthz() -> dict[str, Any]:
@@ -168,6 +173,20 @@ class ServiceRuntime:
             return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
         return app
+
+    def guard(self, prefix: str, check: Callable[[Headers], HTTPException | None]) -> None:
+        """Check requests under `prefix` with `check(headers)`, the refusal to answer or None
+        (another credential than the token: the Tinker API's key), instead of the token."""
+        self._guards.append((prefix, check))
+
+    def _refusal(self, path: str, headers: Headers) -> HTTPException | None:
+        """What the door answers a request for `path` before its body (None: let it in)."""
+        if self._is_public(path):
+            return None
+        for prefix, check in self._guards:
+            if path.startswith(prefix):
+                return check(headers)
+        return token_refusal(self.settings, headers.get("authorization"))
 
     def publish(self, *paths: str, mounts: tuple[str, ...] = ()) -> None:
         """Serve `paths` (exactly) and everything under `mounts` without the token."""

@@ -327,7 +327,7 @@ def test_a_segment_folder_holding_only_a_crashed_writes_temp_file_is_swept_once(
     from shared.segments import new_segment_id
 
     rec = new_job(r, spec())
-    seg = new_segment_id()
+    seg = new_segment_id(r, rec.id)
     folder = store.root / segment_prefix(rec.id, seg)
     folder.mkdir(parents=True)
     tmp = folder / ".tmp-crashed"

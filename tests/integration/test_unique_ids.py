@@ -73,16 +73,20 @@ def test_insert_job_refuses_a_taken_id_and_writes_nothing(r):
     assert r.zcard(keys.jobs_by_created()) == 1
 
 
-def test_recovery_never_registers_over_a_job_created_meanwhile(r, tmp_path):
+def test_recovery_never_registers_over_a_job_created_meanwhile(r, tmp_path, monkeypatch):
+    from services.api import recovery
+
     store = open_store(f"file://{tmp_path / 'store'}")
     lost = JobRecord(id="lost-000001", spec=JobSpec(base_model="m"), created_at=1.0, updated_at=1.0)
     save_job_copy(store, lost)
-    # Between the orphan check and the registration, a job of that id appears (another recover).
+    seen = orphaned_jobs(r, store)  # the orphan check: Redis does not know the job
+    assert [o.job_id for o in seen] == [lost.id]
+    # Between the check and the registration, a job of that id is created (another recover call).
     now = 2.0
     insert_job(r, JobRecord(id=lost.id, spec=JobSpec(base_model="m2"), created_at=now, updated_at=now))
-    r.hdel(keys.jobs_index(), lost.id)  # as seen by the orphan check ...
-    assert [o.job_id for o in orphaned_jobs(r, store)] == [lost.id]
-    assert recover_jobs(r, store) == []  # ... its creation mark still stands: not registered over it
+    monkeypatch.setattr(recovery, "orphaned_jobs", lambda *_: seen)  # the registration acts on what it saw
+    assert recover_jobs(r, store) == []
+    assert load_job(r, lost.id).spec.base_model == "m2"
 
 
 def test_concurrent_same_name_submissions_give_as_many_jobs(r, redis_server, monkeypatch):

@@ -15,11 +15,12 @@ import time
 from pathlib import Path
 
 import redis
+from redis.client import Pipeline
 
 from services.api.tinker.protocol import CreateModelRequest, job_of_model, model_id
 from shared import keys, tinker_queue
 from shared.bus import Bus
-from shared.job import JobRecord, JobSpec, JobState, insert_job, load_job, same_model, set_state
+from shared.job import JobRecord, JobSpec, JobState, JobTaken, insert_job, load_job, same_model, set_state
 from shared.ledger import init_ledger
 from shared.policy import init_pointer
 from shared.schema import decode_heartbeat
@@ -153,13 +154,17 @@ def create_model(r: redis.Redis, *, req: CreateModelRequest, first_seq: int = 1)
         return load_job(r, job_id)  # type: ignore[return-value]
     Bus.ensure_groups(r, job_id)
     tinker_queue.ensure_sample_group(r, job_id)
-    pipe = r.pipeline(transaction=True)
-    insert_job(pipe, rec)
-    init_pointer(pipe, job_id)  # version 0 = the base model, no adapter
-    init_ledger(pipe, job_id)
-    tinker_queue.init_model(pipe, job_id, first_seq=first_seq)
-    pipe.sadd(keys.active_jobs(), job_id)
-    pipe.execute()
+
+    def keys_beside(pipe: Pipeline) -> None:
+        init_pointer(pipe, job_id)  # version 0 = the base model, no adapter
+        init_ledger(pipe, job_id)
+        tinker_queue.init_model(pipe, job_id, first_seq=first_seq)
+        pipe.sadd(keys.active_jobs(), job_id)
+
+    try:
+        insert_job(r, rec, also=keys_beside)
+    except JobTaken:  # a retried create that raced the first: never over it
+        return load_job(r, job_id)  # type: ignore[return-value]
     return rec
 
 

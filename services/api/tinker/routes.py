@@ -53,21 +53,30 @@ from shared.service import ServiceRuntime
 from shared.settings import CommonSettings
 
 KEY_PREFIX = "tml-"
+PREFIX = "/api/v1"  # where the Tinker API lives on the api service
 CONTEXT_CACHE_S = 30.0
 
 
+def key_refusal(settings: CommonSettings, x_api_key: str | None) -> HTTPException | None:
+    """The 401 for a request without the key, `tml-` + the token (None: it has it). In local-dev mode
+    without a token any `tml-` key is taken."""
+    if not x_api_key:
+        return HTTPException(401, "X-API-Key is missing: set TINKER_API_KEY=tml-<BURSTRL_TOKEN>")
+    if not x_api_key.startswith(KEY_PREFIX):
+        return HTTPException(401, "X-API-Key must be 'tml-' followed by the services' token (BURSTRL_TOKEN)")
+    if settings.dev and not settings.token:
+        return None
+    if not hmac.compare_digest(x_api_key[len(KEY_PREFIX) :].encode(), settings.token.encode()):
+        return HTTPException(401, "X-API-Key is wrong: 'tml-' followed by the services' token (BURSTRL_TOKEN)")
+    return None
+
+
 def api_key_auth(settings: CommonSettings) -> Callable[..., None]:
-    """X-API-Key: `tml-` + the token. In local-dev mode without a token any `tml-` key is taken."""
+    """X-API-Key, checked by the service's door before the body (ServiceRuntime.guard) and again here."""
 
     def check(x_api_key: Annotated[str | None, Header()] = None) -> None:
-        if not x_api_key:
-            raise HTTPException(401, "X-API-Key is missing: set TINKER_API_KEY=tml-<BURSTRL_TOKEN>")
-        if not x_api_key.startswith(KEY_PREFIX):
-            raise HTTPException(401, "X-API-Key must be 'tml-' followed by the services' token (BURSTRL_TOKEN)")
-        if settings.dev and not settings.token:
-            return
-        if not hmac.compare_digest(x_api_key[len(KEY_PREFIX) :].encode(), settings.token.encode()):
-            raise HTTPException(401, "X-API-Key is wrong: 'tml-' followed by the services' token (BURSTRL_TOKEN)")
+        if (refused := key_refusal(settings, x_api_key)) is not None:
+            raise refused
 
     return check
 
@@ -362,5 +371,6 @@ def install(rt: ServiceRuntime, app: FastAPI | None = None) -> None:
     r = rt.redis
     ar = connect_async(rt.settings.redis_url, longest_block_s=calls.POLL_S)
     auth = [Depends(api_key_auth(rt.settings))]
+    rt.guard(PREFIX + "/", lambda headers: key_refusal(rt.settings, headers.get("x-api-key")))
     for router in (service_router(r), training_router(r), sampling_router(r), futures_router(r, ar)):
-        app.include_router(router, prefix="/api/v1", dependencies=auth)
+        app.include_router(router, prefix=PREFIX, dependencies=auth)
