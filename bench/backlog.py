@@ -49,12 +49,13 @@ from services.trainer.sources import PREFETCH  # noqa: E402
 from shared import keys  # noqa: E402
 from shared.backlog import read_index  # noqa: E402
 from shared.bus import Bus  # noqa: E402
+from shared.folders import MANIFEST  # noqa: E402
 from shared.job import load_job  # noqa: E402
 from shared.metrics import read_ledger, read_points, read_session_points  # noqa: E402
 from shared.redis_conn import connect  # noqa: E402
 from shared.schema import GroupMsg, encode  # noqa: E402
 from shared.segments import DATA, pack  # noqa: E402
-from shared.store import MANIFEST, ObjectStore, open_store  # noqa: E402
+from shared.store import ObjectStore, open_store  # noqa: E402
 from tests.support.backlog import Drain, group, new_job, push_ready, runtime, spec, spiller  # noqa: E402
 from tests.support.lab.jobs import BACKLOG  # noqa: E402
 from tests.support.lab.results import RESULTS, emit, shown_command  # noqa: E402

@@ -145,7 +145,7 @@ class Chaos:
 
     def corrupt_checkpoint(self) -> None:
         from services.trainer.checkpoint import ckpt_prefix
-        from shared.store import MANIFEST, put_folder
+        from shared.folders import MANIFEST, put_folder
 
         v0, t0 = self.version(), time.time()
         step = self.corrupt_ckpt_step
@@ -167,8 +167,8 @@ class Chaos:
         self.record("corrupt + partial checkpoint, trainer kill9", t0, v0, corrupt_step=step)
 
     def corrupt_adapter(self) -> None:
+        from shared.folders import folder_file
         from shared.policy import Manifest, publish_version, version_prefix
-        from shared.store import folder_file
 
         v0, t0 = self.version(), time.time()
         v = v0 + 2  # ahead of the trainer, which is at most publishing v0 + 1
@@ -244,8 +244,8 @@ def trained_record(store: Any, job_id: str, steps: int) -> dict[str, Any]:
 
 
 def _intact(store: Any, job_id: str, version: int) -> bool:
+    from shared.folders import get_folder
     from shared.policy import version_prefix
-    from shared.store import get_folder
 
     try:
         get_folder(store, version_prefix(job_id, version))

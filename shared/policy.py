@@ -2,8 +2,8 @@
 
 Layout: jobs/{job}/policy/v{N}/manifest.json, and the files it names (adapter_model.safetensors,
 adapter_config.json) in the write-once subfolder it names, jobs/{job}/policy/v{N}/{data_dir}/
-(shared/store.py, `put_folder`: a deposed writer's late files never land on the ones a live
-manifest names). Versions written before that have their files beside the manifest (no
+(shared/folders.py, `put_folder`: a deposed writer's late files never land on the ones a live
+manifest names, and its late manifest never replaces a live one). Versions written before that have their files beside the manifest (no
 data_dir) and read as before. A version exists once manifest.json does (docs/architecture.md,
 invariant 5); readers verify every file's sha256 against it before use.
 """
@@ -22,17 +22,9 @@ import redis
 
 from shared import keys
 from shared.fence import refusal
+from shared.folders import MANIFEST, data_prefix, get_files, new_data_dir, put_folder
 from shared.lease import FENCE_CHECK, Fence, LeaseLost
-from shared.store import (
-    MANIFEST,
-    ObjectStore,
-    StoreError,
-    VerificationError,
-    data_prefix,
-    get_files,
-    new_data_dir,
-    put_folder,
-)
+from shared.store import ObjectStore, StoreError, VerificationError
 
 __all__ = [
     "MANIFEST",
@@ -163,10 +155,15 @@ def publish_version(
     files: dict[str, bytes],
     *,
     before_manifest: Callable[[], None] | None = None,
+    replace: bool = False,
 ) -> str:
-    """Write files, then the manifest naming their hashes. Returns the version prefix."""
+    """Write files, then the manifest naming their hashes. Returns the version prefix.
+
+    A version already in the store raises VersionExists, unless `replace`: the caller found it
+    unusable (services/trainer/publishing.py). Either way the manifest goes in only by
+    `put_manifest`'s rule: never over one of a newer lease epoch (LeaseLost then)."""
     prefix = version_prefix(manifest.job_id, manifest.version)
-    if store.exists(f"{prefix}/{MANIFEST}"):
+    if not replace and store.exists(f"{prefix}/{MANIFEST}"):
         raise VersionExists(f"{prefix} already exists: policy versions are immutable")
     manifest.data_dir = new_data_dir(manifest.epoch)
     meta = {k: v for k, v in manifest.__dict__.items() if k != "files"}

@@ -19,8 +19,9 @@ import msgspec
 import redis
 
 from shared import keys
+from shared.folders import MANIFEST, put_folder
 from shared.schema import SCHEMA_VERSION, GroupMsg
-from shared.store import MANIFEST, ObjectStore, StoreError, VerificationError, put_folder
+from shared.store import ObjectStore, StoreError, VerificationError
 
 DATA = "groups.msgpack"
 FORMAT = 1

@@ -2,9 +2,9 @@
 
 Keys are '/'-separated. Writes are atomic per object (file: write to a temp file then
 rename; S3: a PUT is atomic), which is what "a version exists once its manifest
-does" builds on. A folder's files go under a write-once subfolder its manifest names
-(`put_folder`'s `data_dir`), so a writer that outlived its lease can never overwrite a file
-another writer's manifest names (docs/architecture.md, invariant 10).
+does" builds on; `put_new` writes only where no object is (S3: a conditional PUT; file://
+a hard link), which is what a manifest's write builds on (shared/folders.py:
+docs/architecture.md, invariant 10).
 
 S3 endpoint and credentials come from the environment (never from STORE_URL):
 STORE_ENDPOINT_URL (or AWS_ENDPOINT_URL), AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
@@ -14,35 +14,53 @@ AWS_REGION — so MinIO, R2 and S3 all work.
 from __future__ import annotations
 
 import hashlib
-import json
+import logging
 import os
 import secrets
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 from urllib.parse import urlparse
 
 from shared.redact import redact_url
+
+log = logging.getLogger(__name__)
 
 
 class StoreError(RuntimeError):
     pass
 
 
+class NoSuchObject(StoreError):
+    """The key holds no object."""
+
+
+class ObjectExists(StoreError):
+    """`put_new` found the key taken: nothing was written."""
+
+
 class VerificationError(StoreError):
     """A folder's files do not match its manifest; they must never be used."""
-
-
-MANIFEST = "manifest.json"
 
 
 class ObjectStore(Protocol):
     url: str
 
     def put(self, key: str, data: bytes) -> None: ...
+    def put_new(self, key: str, data: bytes) -> None:
+        """Write only if the key holds no object, atomically; raises ObjectExists otherwise."""
+        ...
+
     def get(self, key: str) -> bytes: ...
+    def get_tagged(self, key: str) -> tuple[bytes, str]:
+        """The object and a tag naming this write of it, for `delete_if`."""
+        ...
+
+    def delete_if(self, key: str, tag: str) -> bool:
+        """Delete the object only if it is still the write `tag` names; False if it is not (or gone)."""
+        ...
+
     def exists(self, key: str) -> bool: ...
     def list(self, prefix: str) -> list[str]: ...
     def list_dirs(self, prefix: str) -> list[str]: ...
@@ -61,8 +79,8 @@ class FileStore:
             raise StoreError(f"key {key!r} escapes the store root")
         return p
 
-    def put(self, key: str, data: bytes) -> None:
-        p = self._path(key)
+    def _temp_file(self, p: Path, data: bytes) -> str:
+        """`data` in a new temporary file beside `p`, on disk."""
         for attempt in range(3):  # a concurrent delete may remove the folder it just emptied
             p.parent.mkdir(parents=True, exist_ok=True)
             try:
@@ -76,16 +94,63 @@ class FileStore:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return tmp
+
+    def put(self, key: str, data: bytes) -> None:
+        p = self._path(key)
+        tmp = self._temp_file(p, data)
+        try:
             os.replace(tmp, p)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
 
+    def put_new(self, key: str, data: bytes) -> None:
+        p = self._path(key)
+        tmp = self._temp_file(p, data)
+        try:
+            os.link(tmp, p)  # atomic, and fails on an existing name (os.replace would overwrite it)
+        except FileExistsError:
+            raise ObjectExists(f"{key!r} already exists in {self.url}") from None
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+
     def get(self, key: str) -> bytes:
         try:
             return self._path(key).read_bytes()
         except FileNotFoundError:
-            raise StoreError(f"no object {key!r} in {self.url}") from None
+            raise NoSuchObject(f"no object {key!r} in {self.url}") from None
+
+    def get_tagged(self, key: str) -> tuple[bytes, str]:
+        data = self.get(key)
+        return data, hashlib.sha256(data).hexdigest()
+
+    def delete_if(self, key: str, tag: str) -> bool:
+        """POSIX has no compare-and-delete: take the object aside with an atomic rename, then delete
+        it if it is the one `tag` names, else link it back. Unlike reading, comparing and unlinking,
+        this never removes a newer object that landed after the caller's read: it is only hidden
+        for the instant it is aside (and stays aside only if yet another lands in that instant)."""
+        p = self._path(key)
+        aside = p.with_name(f".tmp-aside-{secrets.token_hex(6)}")
+        try:
+            os.rename(p, aside)
+        except FileNotFoundError:
+            return False
+        try:
+            if hashlib.sha256(aside.read_bytes()).hexdigest() == tag:
+                aside.unlink()
+                self._drop_empty_parents(p)
+                return True
+            try:
+                os.link(aside, p)
+            except FileExistsError:  # another object was written there meanwhile: that one stays
+                log.warning("%s: an object taken aside was replaced meanwhile; kept the newer one", key)
+            return False
+        finally:
+            aside.unlink(missing_ok=True)
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
@@ -108,6 +173,9 @@ class FileStore:
     def delete(self, key: str) -> None:
         p = self._path(key)
         p.unlink(missing_ok=True)
+        self._drop_empty_parents(p)
+
+    def _drop_empty_parents(self, p: Path) -> None:
         # Like S3, a folder exists only while it holds objects: remove the ones left empty. A
         # crashed write's temporary file is not an object: one left untouched for STALE_TMP_S goes
         # too (a folder holding only that was never removed, and every orphan sweep "deleted" it
@@ -149,6 +217,7 @@ class S3Store:
             region_name=os.environ.get("AWS_REGION", "us-east-1"),
             config=Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5),
         )
+        self._conditional_ok = False  # _check_conditional_writes ran and the store honours If-None-Match
 
     def _k(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -156,11 +225,68 @@ class S3Store:
     def put(self, key: str, data: bytes) -> None:
         self.s3.put_object(Bucket=self.bucket, Key=self._k(key), Body=data)
 
+    def put_new(self, key: str, data: bytes) -> None:
+        """S3's conditional PUT (If-None-Match: *): the server refuses it, atomically, where the key
+        holds an object (412). A 409 means a conditional write of the same key was in flight: try again."""
+        from botocore.exceptions import ClientError
+
+        self._check_conditional_writes()
+        for attempt in range(CONFLICT_TRIES):
+            try:
+                self.s3.put_object(Bucket=self.bucket, Key=self._k(key), Body=data, IfNoneMatch="*")
+                return
+            except ClientError as e:
+                code = _error_code(e)
+                if code == "PreconditionFailed":
+                    raise ObjectExists(f"{key!r} already exists in {self.url}") from None
+                if code != "ConditionalRequestConflict" or attempt == CONFLICT_TRIES - 1:
+                    raise
+                time.sleep(0.05 * 2**attempt)
+
+    def _check_conditional_writes(self) -> None:
+        """Refuse a store that ignores If-None-Match (older S3-compatible servers do, silently): a
+        deposed trainer's manifest could overwrite its successor's there. One PUT per store object
+        once CHECK_KEY exists (a refused PUT proves it), two the first time; nothing to clean up."""
+        from botocore.exceptions import ClientError
+
+        if self._conditional_ok:
+            return
+        for _ in range(2):
+            try:
+                self.s3.put_object(Bucket=self.bucket, Key=self._k(CHECK_KEY), Body=CHECK_BODY, IfNoneMatch="*")
+            except ClientError as e:
+                if _error_code(e) not in ("PreconditionFailed", "ConditionalRequestConflict"):
+                    raise
+                self._conditional_ok = True
+                return
+        raise StoreError(
+            f"object store {self.url} ignores If-None-Match on PUT (it wrote {CHECK_KEY} twice): burstrl writes "
+            "every manifest only where none is, so that a deposed trainer can never overwrite its successor's; "
+            "use a store with conditional writes (AWS S3, MinIO, Cloudflare R2 have them)"
+        )
+
     def get(self, key: str) -> bytes:
+        return self.get_tagged(key)[0]
+
+    def get_tagged(self, key: str) -> tuple[bytes, str]:
+        """The object and its ETag."""
         try:
-            return self.s3.get_object(Bucket=self.bucket, Key=self._k(key))["Body"].read()
+            got = self.s3.get_object(Bucket=self.bucket, Key=self._k(key))
         except self.s3.exceptions.NoSuchKey:
-            raise StoreError(f"no object {key!r} in {self.url}") from None
+            raise NoSuchObject(f"no object {key!r} in {self.url}") from None
+        return got["Body"].read(), got["ETag"]
+
+    def delete_if(self, key: str, tag: str) -> bool:
+        """S3's conditional delete (If-Match: the ETag read): 412 when another write replaced it."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self.s3.delete_object(Bucket=self.bucket, Key=self._k(key), IfMatch=tag)
+            return True
+        except ClientError as e:
+            if _error_code(e) in ("PreconditionFailed", "NoSuchKey", "404", "ConditionalRequestConflict"):
+                return False
+            raise
 
     def exists(self, key: str) -> bool:
         from botocore.exceptions import ClientError
@@ -194,6 +320,15 @@ class S3Store:
         self.s3.delete_object(Bucket=self.bucket, Key=self._k(key))
 
 
+CONFLICT_TRIES = 4  # S3 answers 409 to a conditional write while another to the same key is in flight
+CHECK_KEY = ".burstrl/conditional-writes"  # outside jobs/: no listing of a job ever meets it
+CHECK_BODY = b"burstrl checks that this store refuses a second PUT here with If-None-Match: *\n"
+
+
+def _error_code(e: Exception) -> str:
+    return str(getattr(e, "response", {}).get("Error", {}).get("Code", ""))
+
+
 def open_store(url: str) -> ObjectStore:
     """Parse STORE_URL. Relative file:// paths are relative to the working directory."""
     u = urlparse(url)
@@ -209,76 +344,3 @@ def open_store(url: str) -> ObjectStore:
             )
         return S3Store(u.netloc, u.path)
     raise StoreError(f"STORE_URL {redact_url(url)!r}: scheme must be file:// or s3://")
-
-
-def new_data_dir(epoch: int) -> str:
-    """A subfolder name no other write uses: the writer's lease epoch (for whoever inspects the
-    store) and a random part (two writes of one holder, or unfenced writers, never share it)."""
-    return f"e{int(epoch)}-{secrets.token_hex(6)}"
-
-
-def data_prefix(prefix: str, data_dir: str) -> str:
-    """Where a folder's files are: under `data_dir` when its manifest names one, else (the layout
-    written before write-once subfolders) beside the manifest. `data_dir` comes from a manifest,
-    which a reader must not trust: it must be one plain name."""
-    if not data_dir:
-        return prefix
-    if not isinstance(data_dir, str) or "/" in data_dir or "\\" in data_dir or data_dir in (".", ".."):
-        raise VerificationError(f"{prefix}: manifest's data_dir {data_dir!r} is not a plain folder name")
-    return f"{prefix}/{data_dir}"
-
-
-def put_folder(
-    store: ObjectStore,
-    prefix: str,
-    files: dict[str, bytes],
-    meta: dict[str, Any],
-    *,
-    before_manifest: Callable[[], None] | None = None,
-    data_dir: str = "",
-) -> dict[str, Any]:
-    """Write files, then manifest.json (meta + each file's sha256) last.
-
-    The folder exists once its manifest does: a crash mid-upload leaves no folder.
-    Policy versions and trainer checkpoints are both such folders. `before_manifest` runs
-    between the files and the manifest and may raise to leave the folder nonexistent (the
-    trainer checks it still holds its lease there: a long upload may have outlived it).
-
-    `data_dir` (`new_data_dir`): the files go to prefix/data_dir/, which the manifest names. A
-    writer frozen mid-upload that wakes after another wrote the same folder then writes only
-    into its own subfolder: it can never overwrite a file the other's manifest names (it did:
-    a deposed trainer's late optimizer file broke its successor's checkpoint).
-    """
-    digests = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
-    manifest = {**meta, **({"data_dir": data_dir} if data_dir else {}), "files": digests}
-    base = data_prefix(prefix, data_dir)
-    for name, data in files.items():
-        store.put(f"{base}/{name}", data)
-    if before_manifest is not None:
-        before_manifest()
-    store.put(f"{prefix}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
-    return manifest
-
-
-def get_folder(store: ObjectStore, prefix: str) -> tuple[dict[str, Any], dict[str, bytes]]:
-    """The manifest and every file of a folder, each checked against its sha256."""
-    manifest = json.loads(store.get(f"{prefix}/{MANIFEST}"))
-    return manifest, get_files(store, data_prefix(prefix, manifest.get("data_dir", "")), manifest["files"])
-
-
-def folder_file(store: ObjectStore, prefix: str, name: str) -> str:
-    """The key of file `name` of a folder, as its manifest places it."""
-    manifest = json.loads(store.get(f"{prefix}/{MANIFEST}"))
-    return f"{data_prefix(prefix, manifest.get('data_dir', ''))}/{name}"
-
-
-def get_files(store: ObjectStore, prefix: str, digests: dict[str, str]) -> dict[str, bytes]:
-    """The files `digests` names (name -> sha256) under prefix, each checked against its sha256."""
-    files = {}
-    for name, digest in digests.items():
-        data = store.get(f"{prefix}/{name}")
-        got = hashlib.sha256(data).hexdigest()
-        if got != digest:
-            raise VerificationError(f"{prefix}/{name}: sha256 {got[:12]} != manifest {digest[:12]}")
-        files[name] = data
-    return files

@@ -34,11 +34,12 @@ from shared import keys
 from shared.bus import Bus
 from shared.dataset import new_dataset, read_dataset
 from shared.fence import max_epoch
+from shared.folders import MANIFEST, data_prefix
 from shared.job import JobRecord, JobState, JobTaken, insert_job
 from shared.ledger import init_ledger
 from shared.policy import init_pointer
 from shared.schema import decode_heartbeat
-from shared.store import MANIFEST, ObjectStore, StoreError, data_prefix
+from shared.store import ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
 JOB_FILE = "job.json"

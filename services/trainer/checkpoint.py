@@ -3,12 +3,14 @@
 jobs/{job}/trainer/step-{N}/ holds the policy files (LoRA adapter or full weights),
 optimizer.safetensors (optimizer state + torch RNG states) and state.json (step, the
 scheduler, python/numpy RNG, data position, the groups of the last interval) in a write-once
-subfolder of the writer's (step-{N}/e{epoch}-{random}/: shared/store.py, `put_folder`), then
+subfolder of the writer's (step-{N}/e{epoch}-{random}/: shared/folders.py, `put_folder`), then
 manifest.json (sha256 of each, and that subfolder) written last: a checkpoint without a
 manifest does not exist, and every hash is checked on load. A deposed trainer that wakes in
 the middle of its upload writes only into its own subfolder, never over the files its
-successor's manifest names. (Checkpoints written before that hold their files beside the
-manifest and load as before.) Everything is safetensors or JSON; nothing is pickled.
+successor's manifest names, and its manifest goes in only where none of a newer lease epoch
+is (`put_manifest`: it gets LeaseLost instead; the live holder replaces a deposed one's
+manifest at its step). (Checkpoints written before the subfolders hold their files beside
+the manifest and load as before.) Everything is safetensors or JSON; nothing is pickled.
 
 Why `trained_groups` holds only the groups trained since the previous checkpoint: the
 trainer acknowledges a group on the bus right after the checkpoint containing it is
@@ -35,8 +37,9 @@ import torch
 from safetensors.torch import load, save
 
 from shared.fence import refusal
+from shared.folders import MANIFEST, get_folder, new_data_dir, put_folder
 from shared.policy import DeposedWrite
-from shared.store import MANIFEST, ObjectStore, VerificationError, get_folder, new_data_dir, put_folder
+from shared.store import ObjectStore, VerificationError
 
 log = logging.getLogger(__name__)
 

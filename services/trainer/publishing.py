@@ -4,8 +4,10 @@ A version exists once its manifest does (docs/architecture.md, invariant 5) and 
 the writer's lease epoch (invariant 10). When the trainer reaches a step whose version is
 already in the store (it resumed from an older checkpoint), it keeps that version only if
 the version is intact, was not written by a deposed trainer, and holds these weights (its
-probe agrees with this trainer's); otherwise it replaces it, manifest first, so no reader
-ever sees the new files under the old manifest.
+probe agrees with this trainer's); otherwise it writes it again: its files into a subfolder of
+their own, then its manifest in place of the old one, which `put_manifest` (shared/folders.py)
+removes only if it is not of a newer lease epoch and only while it is still the manifest it read
+(a trainer deposed meanwhile gets LeaseLost, and its successor's version stays).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Callable
 import redis
 
 from shared.fence import refusal
+from shared.folders import get_folder
 from shared.lease import Lease
 from shared.policy import (
     MANIFEST,
@@ -27,7 +30,7 @@ from shared.policy import (
     publish_version,
     version_prefix,
 )
-from shared.store import ObjectStore, StoreError, VerificationError, get_folder
+from shared.store import ObjectStore, StoreError, VerificationError
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +56,13 @@ class Publisher:
     def publish(self, v: int, files: dict[str, bytes], probe: dict[str, list]) -> float | None:
         """Publish version v (or keep the stored one if it is ours in all but name). Returns
         when the manifest was written now, or None when the stored version was kept."""
-        prefix = version_prefix(self.job_id, v)
-        if self.exists(v):
+        replace = self.exists(v)
+        if replace:
             why = self.problem(v, probe)
             if not why:
                 log.info("job %s: policy v%d already published and matches these weights; keeping it", self.job_id, v)
                 return None
             log.error("job %s: policy v%d in the store %s; publishing it again", self.job_id, v, why)
-            self.assert_lease()
-            self.store.delete(f"{prefix}/{MANIFEST}")
         m = Manifest(
             job_id=self.job_id,
             version=v,
@@ -72,7 +73,7 @@ class Publisher:
             epoch=self.lease.epoch if self.lease is not None else 0,
         )
         try:
-            publish_version(self.store, m, files, before_manifest=self.assert_lease)
+            publish_version(self.store, m, files, before_manifest=self.assert_lease, replace=replace)
         except VersionExists:
             # It appeared between our look and our write: after a takeover that is the new
             # holder's version, so this trainer is deposed (LeaseLost), not facing a store fault.

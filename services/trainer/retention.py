@@ -21,10 +21,11 @@ from dataclasses import dataclass
 import redis
 
 from shared import keys
+from shared.folders import MANIFEST
 from shared.metrics import read_evals
 from shared.policy import version_prefix
 from shared.schema import decode_heartbeat
-from shared.store import MANIFEST, ObjectStore
+from shared.store import ObjectStore
 
 log = logging.getLogger(__name__)
 

@@ -134,7 +134,7 @@ def test_adamw8bit_learner_state_round_trips_through_a_checkpoint(model_dir: Pat
 
 def get_file(store: FileStore, job: str, step: int, name: str) -> bytes:
     from services.trainer.checkpoint import ckpt_prefix
-    from shared.store import folder_file
+    from shared.folders import folder_file
 
     return store.get(folder_file(store, ckpt_prefix(job, step), name))
 

@@ -25,11 +25,12 @@ from services.rollout.settings import RolloutSettings
 from services.rollout.worker import RolloutWorker
 from shared import keys
 from shared.bus import FIELD
+from shared.folders import folder_file
 from shared.job import load_job
 from shared.metrics import read_ledger, read_points
 from shared.schema import GroupMsg, PromptMsg, decode, decode_dead, encode
 from shared.service import ServiceRuntime
-from shared.store import FileStore, folder_file
+from shared.store import FileStore
 from tests.support.plugins import plugin_module
 from tests.support.rollout import add_job, corrupt, engine_not_ready, publish, republish, rollout_service
 

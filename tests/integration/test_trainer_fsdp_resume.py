@@ -40,11 +40,11 @@ from services.trainer.checkpoint import checkpoint_steps, load_checkpoint
 from services.trainer.policy import ADAPTER_WEIGHTS
 from shared import keys
 from shared.bus import FIELD
+from shared.folders import MANIFEST
 from shared.job import JobState, load_job
 from shared.ledger import audit
 from shared.metrics import read_ledger, read_points
 from shared.schema import encode
-from shared.store import MANIFEST
 from tests.support import ROOT
 from tests.support.numerics import assert_same_adam_trajectory
 from tests.support.trainer_resume import BATCH, JOB, STEPS, ZERO_VAR, Run, crash_before_ack, resume_groups

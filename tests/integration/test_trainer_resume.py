@@ -27,12 +27,12 @@ from services.trainer.loop import JobTrainer
 from services.trainer.policy import ADAPTER_WEIGHTS
 from shared import keys
 from shared.bus import FIELD, Bus
+from shared.folders import get_folder, put_folder
 from shared.job import JobState, load_job
 from shared.lease import Lease
 from shared.metrics import read_ledger, read_points
 from shared.policy import version_prefix
 from shared.schema import encode
-from shared.store import get_folder, put_folder
 from tests.support.trainer_resume import (
     BATCH,
     JOB,
@@ -333,7 +333,7 @@ def test_a_trainer_stalled_past_its_lease_can_never_publish(r, tmp_path, model_d
     orig = loop_mod.publish_version
     b_box: list[JobTrainer] = []
 
-    def stalled(store, m, files, *, before_manifest=None):  # noqa: ANN001, ANN202
+    def stalled(store, m, files, *, before_manifest=None, **kw):  # noqa: ANN001, ANN003, ANN202
         if m.version == 3 and m.epoch == 1 and not b_box:
 
             def check_then_stall() -> None:
@@ -341,8 +341,8 @@ def test_a_trainer_stalled_past_its_lease_can_never_publish(r, tmp_path, model_d
                 r.delete(keys.trainer_lease(JOB))  # ... then A stalls past its TTL,
                 b_box.append(run.trainer())  # and B takes the job over meanwhile.
 
-            return orig(store, m, files, before_manifest=check_then_stall)
-        return orig(store, m, files, before_manifest=before_manifest)
+            return orig(store, m, files, before_manifest=check_then_stall, **kw)
+        return orig(store, m, files, before_manifest=before_manifest, **kw)
 
     monkeypatch.setattr(loop_mod, "publish_version", stalled)
     a.run()

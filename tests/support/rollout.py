@@ -17,10 +17,11 @@ import redis
 
 from shared import keys
 from shared.bus import Bus
+from shared.folders import folder_file
 from shared.job import JobRecord, JobSpec, JobState, insert_job
 from shared.lease import Lease
 from shared.policy import MANIFEST, Manifest, advance_pointer, init_pointer, publish_version, version_prefix
-from shared.store import FileStore, ObjectStore, folder_file
+from shared.store import FileStore, ObjectStore
 from tests.support.waits import Deadline
 
 if TYPE_CHECKING:

@@ -34,11 +34,12 @@ from services.trainer.policy import load_policy, load_policy_files, policy_files
 from services.trainer.probe import compute_probe
 from services.trainer.settings import TrainerSettings
 from services.trainer.tinker.losses import LossInputError, elementwise_loss
+from shared.folders import get_folder, new_data_dir, put_folder
 from shared.job import JobRecord
 from shared.ml.chunked_logprobs import chunked_token_logprobs, head_params, model_hidden, resolve_logits_chunk
 from shared.ml.pass_tokens import trainer_pass_tokens
 from shared.schema import TinkerCall, TinkerDatum, TinkerResult
-from shared.store import ObjectStore, get_folder, put_folder
+from shared.store import ObjectStore
 
 log = logging.getLogger(__name__)
 OPTIMIZER = "optimizer.safetensors"
@@ -214,11 +215,15 @@ class TinkerModel:
         return ck.state.step
 
     def save_named(self, store: ObjectStore, name: str, seq: int, *, epoch: int, before_manifest) -> None:  # noqa: ANN001
-        """save_state: weights and AdamW under a name, a folder with its manifest last."""
+        """save_state: weights and AdamW under a name, a folder with its manifest last. The files go to
+        a write-once subfolder and the manifest by `put_manifest`'s rule (shared/folders.py), as a
+        checkpoint's: a deposed worker's late save never touches its successor's state of that name,
+        and saving a name again replaces this holder's own."""
         tensors, groups = optimizer_to_tensors(self.opt)
         files = {**self.files(), OPTIMIZER: save(tensors), "state.json": json.dumps({"param_groups": groups}).encode()}
         meta = {"seq": seq, "epoch": epoch, "base_model": self.rec.spec.base_model, "rank": self.rec.spec.lora_rank}
-        put_folder(store, named_state_prefix(self.rec.id, name), files, meta, before_manifest=before_manifest)
+        prefix = named_state_prefix(self.rec.id, name)
+        put_folder(store, prefix, files, meta, before_manifest=before_manifest, data_dir=new_data_dir(epoch))
 
     def load_named(self, store: ObjectStore, source_job: str, name: str, *, optimizer: bool) -> None:
         """load_state: another (or this) model's named state; AdamW's too with `optimizer`, else a fresh one."""
