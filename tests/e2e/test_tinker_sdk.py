@@ -41,6 +41,18 @@ def ts(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path):
         yield ts
 
 
+def _saved_adapter(ts: TinkerStack, job: str, name: str) -> dict:
+    """The adapter tensors of a saved state, read as the trainer reads it (its manifest names the
+    write-once subfolder holding them; every hash checked)."""
+    from safetensors.torch import load
+
+    from services.trainer.tinker.model import named_state_prefix
+    from shared.folders import get_folder
+    from shared.store import FileStore
+
+    return load(get_folder(FileStore(ts.store), named_state_prefix(job, name))[1]["adapter_model.safetensors"])
+
+
 def ce_datum(tokens: list[int]) -> types.Datum:
     return types.Datum(
         model_input=types.ModelInput.from_ints(tokens[:-1]),
@@ -151,9 +163,7 @@ def test_sdk_trains_through_burstrl(ts: TinkerStack, tiny_model: Path) -> None:
     saved = tc.save_state("after-one-step").result(timeout=60)
     assert saved.path == f"tinker://{tc.model_id}/weights/after-one-step"
 
-    from safetensors.torch import load_file
-
-    got_adapter = load_file(str(ts.store / "jobs" / job / "tinker/states/after-one-step/adapter_model.safetensors"))
+    got_adapter = _saved_adapter(ts, job, "after-one-step")
     want_adapter = torch_reference_step(tiny_model, ["cross_entropy", *losses], q)
     assert_same_adam_trajectory(got_adapter, want_adapter, step=LR)
 
@@ -295,7 +305,5 @@ def test_trainer_killed_and_stopped_mid_loop_applies_each_call_once(ts: TinkerSt
     job = "tinker-" + tc.model_id.replace(":train:", "-")
     tc.save_state("after-loop").result(timeout=60)
 
-    from safetensors.torch import load_file
-
-    got = load_file(str(ts.store / "jobs" / job / "tinker/states/after-loop/adapter_model.safetensors"))
+    got = _saved_adapter(ts, job, "after-loop")
     assert_same_adam_trajectory(got, torch_reference_loop(tiny_model, batches), step=LR)
