@@ -277,7 +277,9 @@ class S3Store:
         return got["Body"].read(), got["ETag"]
 
     def delete_if(self, key: str, tag: str) -> bool:
-        """S3's conditional delete (If-Match: the ETag read): 412 when another write replaced it."""
+        """S3's conditional delete (If-Match: the ETag read): 412 when another write replaced it. A
+        server without conditional deletes (AWS S3 has them since 2025; not every S3-compatible one
+        does) ignores the header and deletes: the caller's lease check just before is then the guard."""
         from botocore.exceptions import ClientError
 
         try:
