@@ -46,7 +46,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from shared.domain.tasks.base import TaskItem, register_task_family
+from shared.domain.tasks.base import TaskItem
 
 PREFIX = "rg:"
 # Our own options, beside the dataset's config fields (no reasoning-gym config has these names:
@@ -405,6 +405,3 @@ def _check_in_child(dataset: str, options_json: str) -> None:
         return
     reason = out.get("error") or f"the check process exited {proc.returncode}: {proc.stderr.strip()[-500:]}"
     raise _bad(f"rg:{dataset} could not generate items with these options: {reason}")
-
-
-register_task_family(PREFIX, RgTask)
