@@ -1,4 +1,6 @@
-"""The trainer: claim a job, gather batches from its ready stream, step, publish, ack.
+"""The trainer's run loop: gather batches from a claimed job's ready stream, step, publish, ack.
+What it trains (the job's policy, sharded under FSDP, its learner, and the newest checkpoint
+restored into them) comes from services/trainer/build.py.
 
 Order per step (docs/architecture.md, invariant 2): train -> [checkpoint every N steps: weights,
 optimizer, scheduler, RNG, data position, the ids of the groups trained since the
@@ -18,10 +20,6 @@ on SIGTERM it abandons a batch it has not yet applied (it stays pending for the 
 session), checkpoints what it has, and exits 0. With leave_when_idle_s it also leaves once the
 backlog is drained: no batch for that long and no segment left. A partial batch stays pending
 for the next session.
-
-Over ~400 lines: the job loop is one state machine (claim, read, admit, train, checkpoint, ack,
-publish, hand back) and each step's failure handling reads best next to the step; the pieces that
-stand alone are already out (claim, progress, publishing, step_report, sources, retention).
 """
 
 from __future__ import annotations

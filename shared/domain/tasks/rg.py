@@ -22,10 +22,6 @@ unknown dataset or option names the valid choices; values are type-checked again
 dataset's config and its own `validate()`; and a few items are generated in a child process
 under a deadline, so a config that makes generation hang or prompts huge is refused with
 the reason instead of stalling the feeder. reasoning-gym is imported on first use only.
-
-Over ~400 lines: reasoning-gym's options, split, bounds and scorer form one adapter whose
-checks (option coercion, size bounds, the sample check in a child process) only make sense
-together.
 """
 
 from __future__ import annotations
