@@ -47,7 +47,7 @@ def mean_diff(a: list[float], b: list[float]) -> float:
 
 
 def main() -> None:
-    from services.rollout.engine import InProcessEngine
+    from services.rollout.engine_inprocess import InProcessEngine
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"])

@@ -124,8 +124,7 @@ def direct_sampling(store_dir: Path, job_id: str, version: int, prompts, n: int,
 
 
 def _direct_sampling_here(spec: dict) -> None:
-    from services.rollout.__main__ import build_engine
-    from services.rollout.engine import SamplingConfig
+    from services.rollout.engine import SamplingConfig, build_engine
     from services.rollout.settings import RolloutSettings
     from shared.policy import fetch_version
     from shared.store import open_store

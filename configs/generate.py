@@ -4,7 +4,7 @@ Run from the repository root:  .venv/bin/python configs/generate.py
 
 Every number in a generated file comes from the planner command cited in that file (run
 here as a subprocess, exactly as cited), so a reader can re-run it and get the same
-answer; tests/unit/test_deploy.py re-runs each cited command and fails when a file drifts
+answer; tests/unit/test_deploy_configs.py re-runs each cited command and fails when a file drifts
 from it (then run this script again). Nothing here was measured on the hardware named:
 the files say `obtained = "estimated"`. When someone measures a layout, they edit that
 file by hand, set `obtained = "measured"` and say how in `meta.measured_how`; this
@@ -277,7 +277,7 @@ def render(lay: Layout, plan: dict[str, Any], command: str, fname: str) -> str:
         "# Obtained: estimated by `burstrl plan`, not measured on this hardware. The command, run from the",
         "# repository root (the same numbers come back on any machine: the planner is arithmetic):",
         f"#   {command}",
-        "# Regenerate with `.venv/bin/python configs/generate.py`; tests/unit/test_deploy.py re-runs the command.",
+        "# Regenerate with `.venv/bin/python configs/generate.py`; tests/unit/test_deploy_configs.py re-runs the command.",
         "#",
         "# The top-level keys and [sampling] are a JobSpec (shared/job.py): the job `burstrl submit` posts.",
         "# [meta], [plan], [tuning.*] and [env.*] are not part of the job: who made this file and how, the",

@@ -13,7 +13,7 @@ import sys
 import urllib.error
 import urllib.request
 
-# Mirrors shared.settings.DEFAULT_PORTS (tests/unit/test_deploy.py checks they agree).
+# Mirrors shared.settings.DEFAULT_PORTS (tests/unit/test_deploy_docker.py checks they agree).
 DEFAULT_PORTS = {"api": 8700, "rollout": 8701, "reward": 8702, "ref": 8703, "trainer": 8704}
 
 

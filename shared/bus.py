@@ -22,10 +22,6 @@ Guarantees (docs/architecture.md, invariants 2, 3, 8):
 - `spill()` moves ready entries into the backlog's disk tier (shared/backlog.py): once their
   segment is in the store, one script checks they are still pending to the spiller, XACKs
   them, bumps the ledger's `spilled` and indexes the segment, so each is spilled once.
-
-Over ~400 lines on purpose: this is the one place for stream handling (docs/architecture.md,
-invariant on the bus), so every read, claim, settle and dead-letter path is here; the Lua
-scripts are in shared/bus_scripts.py.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
 # or the ARGs change; a code edit rebuilds only the last layers.
 # Not built here: trainer, rollout, ref (the CUDA targets: their base image is on a registry and torch's
 # CUDA wheel is several GB; no GPU to run them) and the MI50 engine (the gfx906 fork's image, pulled in
-# production, never built). tests/unit/test_deploy.py validates their files offline.
+# production, never built). tests/unit/test_deploy_*.py validate their files offline.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 

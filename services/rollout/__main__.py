@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from services.rollout.engine import Engine
+from services.rollout.engine import Engine, build_engine, engine_context
 from services.rollout.errors import EngineUnavailable
 from services.rollout.settings import RolloutSettings
 from shared.service import ServiceRuntime, setup_logging
@@ -12,48 +12,6 @@ from shared.store import open_store
 
 log = logging.getLogger("services.rollout")
 LEAVE_WAIT_S = 60.0  # for the spill pass in progress (its segment writes) at shutdown
-
-
-def build_engine(s: RolloutSettings) -> Engine:
-    """The configured engine; raises EngineUnavailable when it cannot be built or reached."""
-    if s.engine == "remote":
-        from services.rollout.engine import RemoteEngine
-
-        if not s.engine_url:
-            raise EngineUnavailable("BURSTRL_ROLLOUT_ENGINE=remote needs BURSTRL_ROLLOUT_ENGINE_URL")
-        local, sep, remote = s.engine_path_map.partition("=")
-        return RemoteEngine(
-            url=s.engine_url,
-            api_key=s.engine_api_key.get_secret_value(),
-            served_model=s.engine_served_model,
-            timeout_s=s.engine_timeout_s,
-            concurrency=s.engine_concurrency,
-            path_map=(local, remote) if sep else None,
-        )
-    from services.rollout.engine import InProcessEngine
-
-    return InProcessEngine(
-        model=s.model,
-        max_model_len=s.max_model_len,
-        max_lora_rank=s.max_lora_rank,
-        max_loras=s.max_loras,
-        dtype=s.dtype,
-        seed=s.seed,
-        **s.engine_kwargs(),
-    )
-
-
-def engine_context(s: RolloutSettings, engine: Engine) -> int:
-    """The engine's context length: the setting in-process; a remote server's if it says (vLLM's
-    /v1/models lists max_model_len), else 0 (unknown: the api accepts and warns)."""
-    if s.engine != "remote":
-        return s.max_model_len
-    try:
-        cards = engine.base_models()  # type: ignore[attr-defined]
-        served = [m for m in cards if m.get("id") == getattr(engine, "served_model", None)] or cards
-        return max((int(m.get("max_model_len") or 0) for m in served), default=0)
-    except Exception:  # noqa: BLE001 - an older server or an odd reply: unknown, not fatal
-        return 0
 
 
 def main() -> None:

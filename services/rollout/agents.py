@@ -18,11 +18,6 @@ GroupMsg carries (invariant 6), and the trainer judges its staleness like any gr
 Episodes live in this replica's memory: its token ids are what makes turns exact
 (services/rollout/chat.py). A rollout restart loses its open groups; they were never
 counted, so the ledger stays balanced, and the agent gets 404 for them.
-
-Over ~400 lines: AgentServer is one state machine per episode (open, turn, close, verify, expire)
-whose turn queue, version lease and ledger outcome must be read together; the HTTP routes
-(agent_routes.py), the chat template deltas (chat.py) and episode records (agent_episodes.py)
-are apart.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""The trainer: claim a job, gather batches from its ready stream, step, publish, ack.
+"""The trainer's run loop: gather batches from a claimed job's ready stream, step, publish, ack.
+What it trains (the job's policy, sharded under FSDP, its learner, and the newest checkpoint
+restored into them) comes from services/trainer/build.py.
 
 Order per step (docs/architecture.md, invariant 2): train -> [checkpoint every N steps: weights,
 optimizer, scheduler, RNG, data position, the ids of the groups trained since the
@@ -18,10 +20,6 @@ on SIGTERM it abandons a batch it has not yet applied (it stays pending for the 
 session), checkpoints what it has, and exits 0. With leave_when_idle_s it also leaves once the
 backlog is drained: no batch for that long and no segment left. A partial batch stays pending
 for the next session.
-
-Over ~400 lines: the job loop is one state machine (claim, read, admit, train, checkpoint, ack,
-publish, hand back) and each step's failure handling reads best next to the step; the pieces that
-stand alone are already out (claim, progress, publishing, step_report, sources, retention).
 """
 
 from __future__ import annotations
@@ -33,31 +31,17 @@ from collections import deque
 import redis
 
 from services.trainer.admit import not_trainable, staleness_limit, too_old
-from services.trainer.checkpoint import (
-    TrainState,
-    load_newest_valid,
-    optimizer_from_tensors,
-    prune_checkpoints,
-    rng_restore,
-    save_checkpoint,
-)
+from services.trainer.build import build_trainable
+from services.trainer.checkpoint import prune_checkpoints, save_checkpoint
 from services.trainer.distributed import CMD_FILES, CMD_OPTIMIZER, CMD_PROBE, CMD_STEP, CMD_STOP, Comm
-from services.trainer.learner import Aborted, Learner, TrainResult
-from services.trainer.optim import check_resume
-from services.trainer.policy import load_policy, load_policy_files, policy_files
+from services.trainer.learner import Aborted, TrainResult
+from services.trainer.policy import policy_files
 from services.trainer.probe import compute_probe
 from services.trainer.progress import BatchWait, JobStuck, StaleStreak, clear_failures
 from services.trainer.publishing import Publisher
 from services.trainer.retention import Retention, prune_versions
 from services.trainer.settings import TrainerSettings
-from services.trainer.sharding import (
-    full_optimizer_tensors,
-    gathered_policy_files,
-    local_optimizer_tensors,
-    resolve_device,
-    shard_model,
-    wants_fsdp,
-)
+from services.trainer.sharding import full_optimizer_tensors, gathered_policy_files
 from services.trainer.sources import Ref, SegmentRef, Sources
 from services.trainer.step_report import Session, StepTimes, step_point, zero_variance
 from shared import keys
@@ -66,7 +50,6 @@ from shared.bus import Bus
 from shared.job import JobRecord, JobState, load_job, set_state
 from shared.lease import Lease, LeaseKeeper, LeaseLost
 from shared.metrics import read_ledger, record_point, record_session_point
-from shared.ml.pass_tokens import trainer_pass_tokens
 from shared.policy import read_manifest
 from shared.schema import GroupMsg, decode
 from shared.service import ServiceRuntime
@@ -102,37 +85,12 @@ class JobTrainer:
             redo_own_pending=False,
             claim_idle_ms=int(settings.claim_idle_s * 1000),
         )
-        spec = rec.spec
-        self.device = resolve_device(settings.device)
-        self.model, self.tok = load_policy(
-            spec.base_model,
-            rank=spec.lora_rank,
-            alpha=spec.lora_alpha,
-            device=self.device,
-            seed=spec.seed,
-            finetune=spec.algorithm.finetune,
-            gradient_checkpointing=settings.gradient_checkpointing,
-            base_bits=settings.base_bits,
-        )
-        # FSDP2 (sharding=fsdp, or cpu_offload): before the optimizer exists, so it holds the
-        # shards. __main__ has already refused settings that cannot run here (check_sharding).
-        self.sharded = wants_fsdp(sharding=settings.sharding, cpu_offload=settings.cpu_offload)
-        if self.sharded:
-            self.model = shard_model(self.model, device=self.device, cpu_offload=settings.cpu_offload)
-        self.learner = Learner(
-            self.model,
-            spec,
-            pad_id=self.tok.pad_token_id or 0,
-            grad_clip=settings.grad_clip,
-            device=self.device,
-            world=self.comm.world,
-            rank=self.comm.rank,
-            micro_batch_tokens=self._pass_tokens(settings),
-            optimizer=settings.optimizer,
-            logits_chunk=settings.logits_chunk,
-        )
-        self.state = TrainState()
-        self.ckpt_groups: set[str] = set()  # the newest checkpoint's interval: may be redelivered
+        # The policy on its device (sharded under FSDP), its learner, and the newest checkpoint in them.
+        built = build_trainable(settings, store, rec, self.comm)
+        self.model, self.tok, self.sharded, self.learner = built.model, built.tok, built.sharded, built.learner
+        self.state = built.state
+        # The newest checkpoint's interval: its groups may be redelivered (acknowledged, not trained).
+        self.ckpt_groups = set(self.state.trained_groups)
         self._bus_seen = 0.0  # bus seconds already reported in a metric point
         self.since_ckpt: list[tuple[Ref, str]] = []  # trained, not yet in a checkpoint (so not acked)
         self.pending: list[tuple[Ref, GroupMsg]] = []
@@ -154,7 +112,7 @@ class JobTrainer:
             store,
             self.r,
             rec.id,
-            spec.base_model,
+            rec.spec.base_model,
             lease=lease,
             assert_lease=self._assert_lease,
             probe_tolerance=settings.republish_probe_tolerance,
@@ -162,43 +120,13 @@ class JobTrainer:
         self.session = Session(process_start=start, epoch=lease.epoch if lease else 0, replica=settings.replica, step=0)
         self.waiting = BatchWait(self.r, rec, rt.health, report_s=settings.wait_report_s)
         self.progress = StaleStreak(
-            max_staleness=staleness_limit(spec),
+            max_staleness=staleness_limit(rec.spec),
             limit=settings.stuck_groups,
             grace_s=settings.stuck_grace_s,
             published_at=self._published_at,
         )
-        self._restore()
-
-    def _pass_tokens(self, settings: TrainerSettings) -> int:
-        """The user's micro_batch_tokens, else one sized from the model's shape."""
-        n = trainer_pass_tokens(
-            self.model.config,
-            setting=settings.micro_batch_tokens,
-            logits_chunk=settings.logits_chunk,
-            gradient_checkpointing=settings.gradient_checkpointing,
-        )
-        if settings.micro_batch_tokens is None:
-            log.info("job %s: micro_batch_tokens unset: %d from the model's shape", self.rec.id, n)
-        return n
-
-    # -- resume ----------------------------------------------------------------------
-    def _restore(self) -> None:
-        ck = load_newest_valid(self.store, self.rec.id)  # hashes verified; corrupt ones skipped
-        if ck is not None:
-            step = ck.state.step
-            load_policy_files(self.model, ck.files)  # into the fresh adapter: never applied on top of another
-            check_resume(self.s.optimizer, ck.opt_tensors)  # adamw state never loads into adamw8bit
-            opt_tensors = local_optimizer_tensors(self.learner.opt, ck.opt_tensors) if self.sharded else ck.opt_tensors
-            optimizer_from_tensors(self.learner.opt, opt_tensors, ck.param_groups)
-            if ck.scheduler:
-                # Restores last_epoch without stepping; the optimizer's lr came back with its param groups.
-                self.learner.sched.load_state_dict(ck.scheduler)
-            rng_restore(ck.opt_tensors, ck.rng)
-            self.state = ck.state
-            log.info("job %s: resumed from checkpoint step %d", self.rec.id, step)
-        self.ckpt_groups = set(self.state.trained_groups)
         if self.state.step > 0 and self.comm.is_main:
-            self._publish_if_missing()
+            self._publish_if_missing()  # a crash may have come between the checkpoint and its version
 
     # -- the loop --------------------------------------------------------------------
     def run(self) -> None:

@@ -22,7 +22,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
-import shared.domain.envs  # noqa: F401  (registers the environments' tasks, "arith3" and "guess", in scoring processes)
 from shared.domain.verifiers import TAG_SEP, error_tag, load_plugins
 from shared.plugins import import_plugins
 

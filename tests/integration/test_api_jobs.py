@@ -246,8 +246,8 @@ def test_rollout_advertises_its_context():
     """In-process: the setting; remote: what the server's /v1/models card says (vLLM lists max_model_len)."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from services.rollout.__main__ import engine_context
-    from services.rollout.engine import RemoteEngine
+    from services.rollout.engine import engine_context
+    from services.rollout.engine_remote import RemoteEngine
     from services.rollout.settings import RolloutSettings
 
     assert engine_context(RolloutSettings(model="m", dev=True, max_model_len=512), None) == 512

@@ -8,9 +8,6 @@ Each ends with nothing lost, nothing trained twice and the ledger balanced (shar
 - the object store unreachable during spills: rollout pauses spilling and says so (/readyz, log);
 - Redis killed and restarted from its AOF while a backlog exists;
 - a backlog at its budget: rollout's /readyz names the job and the budget, nothing is dropped.
-
-Over ~400 lines: each fault on the spill path (kill mid-segment, torn manifest, store outage)
-needs the same real-process scaffolding.
 """
 
 from __future__ import annotations

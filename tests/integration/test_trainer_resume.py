@@ -4,8 +4,6 @@ Each scenario interrupts a run (an exception injected mid-step, a crash between 
 checkpoint and acknowledging it, a SIGTERM-style stop, a spent time budget), resumes with a
 fresh JobTrainer from the store and the bus, and must end with exactly the weights, LR
 and ledger of an uninterrupted run.
-
-Over ~400 lines: resume, fencing and takeover cases share one set of real-process fixtures.
 """
 
 from __future__ import annotations

@@ -193,7 +193,7 @@ def started_engine(
     from services.cli.launch import free_port, terminate
 
     if mode == "inprocess":
-        from services.rollout.engine import InProcessEngine
+        from services.rollout.engine_inprocess import InProcessEngine
 
         eng = InProcessEngine(
             model=model, max_model_len=256, max_lora_rank=16, max_loras=max_loras, dtype="float32", seed=0
@@ -203,7 +203,7 @@ def started_engine(
         finally:
             eng.close()
         return
-    from services.rollout.engine import RemoteEngine
+    from services.rollout.engine_remote import RemoteEngine
 
     port = free_port()
     log = workdir / "vllm-server.log"

@@ -13,9 +13,6 @@ rows, none for 16), and a sharply peaked softmax amplifies that in a few gradien
 - fp32, against the model's own `.logits` path: bit-for-bit with one chunk, within 1e-6 where
   the chunk's matmul rounds as the full one (chunks of 16 here), and within the matmul's
   rounding (1e-4 relative) for any chunk size.
-
-Over ~400 lines: values, gradients, shapes, LoRA, the no-whole-logits watch and the refusals of
-one function, sharing its fixtures.
 """
 
 from __future__ import annotations

@@ -31,3 +31,13 @@ def test_every_benchmark_is_in_the_independence_contract() -> None:
     benchmarks = {n for n in names if not any(n.startswith(f"{o}_") for o in names if o != n)}
     listed = {m.removeprefix("bench.") for m in _contract("no benchmark imports another")["modules"]}
     assert benchmarks == listed
+
+
+def test_every_domain_module_is_a_layer_of_the_domain_contract() -> None:
+    """shared/domain's layers contract names each of its modules and subpackages: a new one must
+    take its place in it, or its imports would escape the rule that they point down."""
+    domain = ROOT / "shared" / "domain"
+    parts = {p.stem for p in domain.glob("*.py") if p.stem != "__init__"}
+    parts |= {p.parent.name for p in domain.glob("*/__init__.py")}
+    layers = _contract("inside the domain plugins")["layers"]
+    assert parts == set(layers), "give these their layer in pyproject.toml"

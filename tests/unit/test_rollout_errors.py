@@ -13,7 +13,8 @@ import json
 import httpx
 import pytest
 
-from services.rollout.engine import RemoteEngine, SamplingConfig, checked_logprobs
+from services.rollout.engine import SamplingConfig, checked_logprobs
+from services.rollout.engine_remote import RemoteEngine
 from services.rollout.errors import (
     DeposedWrite,
     EngineRequestRefused,

@@ -5,8 +5,6 @@ a turn index has fewer than 2 episodes), the exact equalities that anchor it to 
 advantages, the token mapping (prompt offset, observation tokens zeroed), the gradient at
 observation tokens through the real Learner, and a real episode's turn fields going from the
 rollout through the reward stage's scoring, msgpack, and collate to the loss's [N, T] tensor.
-
-Over ~400 lines: the per-turn advantage math, with hand-computed cases for each estimator.
 """
 
 from __future__ import annotations

@@ -22,22 +22,15 @@ import numpy as np
 import torch
 from safetensors.torch import load, save
 
-from services.trainer.checkpoint import (
-    TrainState,
-    load_newest_valid,
-    optimizer_from_tensors,
-    optimizer_to_tensors,
-    rng_restore,
-    save_checkpoint,
-)
-from services.trainer.policy import load_policy, load_policy_files, policy_files
+from services.trainer.build import load_job_policy, pass_tokens, restore_newest
+from services.trainer.checkpoint import TrainState, optimizer_from_tensors, optimizer_to_tensors, save_checkpoint
+from services.trainer.policy import load_policy_files, policy_files
 from services.trainer.probe import compute_probe
 from services.trainer.settings import TrainerSettings
 from services.trainer.tinker.losses import LossInputError, elementwise_loss
 from shared.folders import get_folder, new_data_dir, put_folder
 from shared.job import JobRecord
 from shared.ml.chunked_logprobs import chunked_token_logprobs, head_params, model_hidden, resolve_logits_chunk
-from shared.ml.pass_tokens import trainer_pass_tokens
 from shared.schema import TinkerCall, TinkerDatum, TinkerResult
 from shared.store import ObjectStore
 
@@ -64,15 +57,11 @@ class TinkerModel:
     def __init__(self, rec: JobRecord, settings: TrainerSettings, device: str) -> None:
         spec = rec.spec
         self.rec, self.device = rec, device
-        self.model, self.tok = load_policy(
-            spec.base_model, rank=spec.lora_rank, alpha=spec.lora_alpha, device=device, seed=spec.seed
-        )
+        self.model, self.tok = load_job_policy(spec, device)  # as the job trainer loads it (build.py)
         self.vocab = int(head_params(self.model)[0].shape[0])
         self.context = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
         self.chunk = resolve_logits_chunk(settings.logits_chunk, self.vocab)
-        self.pass_tokens = trainer_pass_tokens(
-            self.model.config, setting=settings.micro_batch_tokens, logits_chunk=settings.logits_chunk
-        )
+        self.pass_tokens = pass_tokens(self.model, settings, rec.id, gradient_checkpointing=False)
         self.pad_id = self.tok.pad_token_id or 0
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = self._fresh_optimizer()
@@ -204,15 +193,12 @@ class TinkerModel:
 
     def restore(self, store: ObjectStore) -> int | None:
         """Back to the newest valid checkpoint; returns the seq_id it holds (None: none, as created)."""
-        ck = load_newest_valid(store, self.rec.id)
-        if ck is None:
+        state = restore_newest(store, self.rec.id, self.model, self.opt)
+        if state is None:
             return None
-        load_policy_files(self.model, ck.files)
-        optimizer_from_tensors(self.opt, ck.opt_tensors, ck.param_groups)
-        rng_restore(ck.opt_tensors, ck.rng)
-        extra = ck.state.extra.get("tinker", {})
+        extra = state.extra.get("tinker", {})
         self.steps, self.versions = int(extra.get("steps", 0)), int(extra.get("versions", 0))
-        return ck.state.step
+        return state.step
 
     def save_named(self, store: ObjectStore, name: str, seq: int, *, epoch: int, before_manifest) -> None:  # noqa: ANN001
         """save_state: weights and AdamW under a name, a folder with its manifest last. The files go to

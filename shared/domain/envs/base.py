@@ -7,9 +7,10 @@ the context, never trained on), reward parts and whether the episode is over. Th
 rollout service drives episodes (services/rollout/episodes.py) and owns the token ids:
 an environment only ever sees and returns text.
 
-Plugins are modules named in the rollout service's own settings
-(BURSTRL_ROLLOUT_ENV_PLUGINS) that call `register_env` on import. A job payload only
-names an environment: it can never make a service import anything.
+The built-ins are named in shared/domain/catalog.py and loaded on first use. Plugins are
+modules named in the rollout service's own settings (BURSTRL_ROLLOUT_ENV_PLUGINS) that call
+`register_env` on import. A job payload only names an environment: it can never make a
+service import anything.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from shared.plugins import import_plugins, register
+from shared.domain import catalog
+from shared.plugins import Registry, import_plugins
 
 
 @dataclass
@@ -121,23 +123,22 @@ class ToolEnv:
 
 
 EnvFactory = Callable[..., Env]
-_ENVS: dict[str, EnvFactory] = {}
+_ENVS: Registry[EnvFactory] = Registry("environment", catalog.ENVS)
 
 
 def register_env(name: str, factory: EnvFactory | None = None, *, replace: bool = False) -> Any:
     """Register `factory(**args) -> Env` under `name`; usable as a decorator."""
-    return register(_ENVS, "environment", name, factory, replace=replace)
+    return _ENVS.register(name, factory, replace=replace)
 
 
 def make_env(name: str, args: dict[str, Any] | None = None) -> Env:
     """A fresh environment instance (one per episode: environments keep episode state)."""
-    try:
-        factory = _ENVS[name]
-    except KeyError:
+    factory = _ENVS.get(name)
+    if factory is None:
         raise EnvError(
-            f"unknown environment {name!r}; known: {sorted(_ENVS)} "
+            f"unknown environment {name!r}; known: {_ENVS.names()} "
             "(plugins must be listed in the rollout service's BURSTRL_ROLLOUT_ENV_PLUGINS)"
-        ) from None
+        )
     try:
         return factory(**(args or {}))
     except TypeError as e:
@@ -145,7 +146,7 @@ def make_env(name: str, args: dict[str, Any] | None = None) -> Env:
 
 
 def env_names() -> list[str]:
-    return sorted(_ENVS)
+    return _ENVS.names()
 
 
 def load_env_plugins(modules: Iterable[str]) -> list[str]:

@@ -25,8 +25,8 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from shared.domain.envs.base import EnvError, StepResult, ToolEnv, register_env
-from shared.domain.tasks.base import TaskItem, register_task
+from shared.domain.envs.base import EnvError, StepResult, ToolEnv
+from shared.domain.tasks.base import TaskItem
 
 MAX_EXPR_CHARS = 64
 MAX_ABS = 10**15  # intermediate values beyond this are refused (no 9**9**9 memory bombs)
@@ -108,9 +108,6 @@ class CalcEnv(ToolEnv):
         return self.result(value, f"={value}\n")
 
 
-register_env("calc", CalcEnv)
-
-
 # -- the companion task ---------------------------------------------------------------------
 def _is_heldout(a: int, b: int) -> bool:
     # Same stable hash split as "arith" (independent of Python's hash seed).
@@ -152,6 +149,3 @@ class Arith3Task:
 
     def score(self, completion: str, fields: dict[str, str]) -> dict[str, float]:
         return {"correct": 1.0 if completion.strip() == fields["answer"] else 0.0}
-
-
-register_task("arith3", Arith3Task)

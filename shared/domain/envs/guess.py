@@ -13,8 +13,8 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from shared.domain.envs.base import StepResult, register_env
-from shared.domain.tasks.base import TaskItem, register_task
+from shared.domain.envs.base import StepResult
+from shared.domain.tasks.base import TaskItem
 
 
 class GuessEnv:
@@ -42,9 +42,6 @@ class GuessEnv:
         return StepResult(observation="up\n" if g < self.secret else "down\n", tool_call=True)
 
 
-register_env("guess", GuessEnv)
-
-
 @dataclass
 class GuessTask:
     name: str = "guess"
@@ -67,6 +64,3 @@ class GuessTask:
 
     def score(self, completion: str, fields: dict[str, str]) -> dict[str, float]:
         return {"correct": 1.0 if completion.strip() == fields["secret"] else 0.0}
-
-
-register_task("guess", GuessTask)

@@ -33,10 +33,10 @@ import httpx
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.domain.envs.base import StepResult, ToolEnv, register_env
+from shared.domain.envs.base import StepResult, ToolEnv
 from shared.domain.envs.calc import Arith3Task
 from shared.domain.sandbox import Limits, ProgramResult, SandboxUnavailable, run_program
-from shared.domain.tasks.base import TaskItem, register_task
+from shared.domain.tasks.base import TaskItem
 
 log = logging.getLogger(__name__)
 
@@ -194,12 +194,10 @@ class PythonEnv(ToolEnv):
         return self.failed(f"<output>error: {kind}</output>\n")
 
 
-def _from_job(max_calls: int = 3, submit_last_result: bool = True, tool_error_penalty: float = 0.0) -> PythonEnv:
-    """The registered factory: a job's env args reach only these (never the tool's URL or key)."""
+def python_env(max_calls: int = 3, submit_last_result: bool = True, tool_error_penalty: float = 0.0) -> PythonEnv:
+    """The registered factory (shared/domain/catalog.py): a job's env args reach only these (never the
+    tool's URL or key)."""
     return PythonEnv(max_calls=max_calls, submit_last_result=submit_last_result, tool_error_penalty=tool_error_penalty)
-
-
-register_env("python", _from_job)
 
 
 # -- the companion task ---------------------------------------------------------------------
@@ -217,6 +215,3 @@ class Arith3PyTask(Arith3Task):
         if rng.random() < correct_fraction:
             return f"<python>print({a}+{b})</python><output>{answer}</output>\n"
         return answer
-
-
-register_task("arith3py", Arith3PyTask)

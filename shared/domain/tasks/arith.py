@@ -10,7 +10,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from shared.domain.tasks.base import TaskItem, register_task
+from shared.domain.tasks.base import TaskItem
 
 HELDOUT_PERMILLE = 150
 
@@ -62,6 +62,3 @@ class ArithTask:
         {'correct': 1.0}
         """
         return {"correct": 1.0 if completion.strip() == fields["answer"] else 0.0}
-
-
-register_task("arith", ArithTask)

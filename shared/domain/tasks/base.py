@@ -1,4 +1,4 @@
-"""The task interface and its registry."""
+"""The task interface and its registry (the built-ins: shared/domain/catalog.py, loaded on first use)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Protocol
+
+from shared.domain import catalog
+from shared.plugins import Registry
 
 
 @dataclass(frozen=True)
@@ -33,42 +36,38 @@ class Task(Protocol):
         ...
 
 
-_TASKS: dict[str, Callable[[], Task]] = {}
+# A later registration of a name replaces the earlier one (a plugin's task over a built-in).
+_TASKS: Registry[Callable[[], Task]] = Registry("task", catalog.TASKS, replace_silently=True)
 # Families of tasks named "<prefix><name>", built with options (`task_spec.args`): "rg:<dataset>".
-_FAMILIES: dict[str, Callable[[str, dict[str, Any]], Task]] = {}
+_FAMILIES: Registry[Callable[[str, dict[str, Any]], Task]] = Registry(
+    "task family", catalog.TASK_FAMILIES, replace_silently=True
+)
 
 
 def register_task(name: str, factory: Callable[[], Task]) -> None:
-    _TASKS[name] = factory
+    _TASKS.register(name, factory)
 
 
 def register_task_family(prefix: str, factory: Callable[[str, dict[str, Any]], Task]) -> None:
-    _FAMILIES[prefix] = factory
-
-
-def _load_env_tasks() -> None:
-    # The environments register their companion tasks ("arith3" with "calc", ...) when imported.
-    # A process that never imports them (the trainer, for its probe) must still find those tasks,
-    # so a name not registered yet loads them first. Lazy: shared.domain.envs imports this module.
-    import shared.domain.envs  # noqa: F401
+    _FAMILIES.register(prefix, factory)
 
 
 def make_task(name: str, args: dict[str, Any] | None = None) -> Task:
     """A task by name with its options; only task families take options."""
-    if name not in _TASKS:
-        _load_env_tasks()
-    for prefix, factory in _FAMILIES.items():
+    families = _FAMILIES.items()
+    for prefix, family in families:
         if name.startswith(prefix):
-            return factory(name[len(prefix) :], dict(args or {}))
+            return family(name[len(prefix) :], dict(args or {}))
     if args:
         raise ValueError(
-            f"task_spec.args: task {name!r} takes no options; only task families do ({', '.join(_FAMILIES)}<name>)"
+            f"task_spec.args: task {name!r} takes no options; only task families do "
+            f"({', '.join(p for p, _ in families)}<name>)"
         )
-    try:
-        return _TASKS[name]()
-    except KeyError:
-        families = "".join(f", or {p}<name>" for p in _FAMILIES)
-        raise KeyError(f"unknown task {name!r}; known: {sorted(_TASKS)}{families}") from None
+    factory = _TASKS.get(name)
+    if factory is None:
+        known = "".join(f", or {p}<name>" for p, _ in families)
+        raise KeyError(f"unknown task {name!r}; known: {_TASKS.names()}{known}")
+    return factory()
 
 
 def get_task(name: str) -> Task:
@@ -77,8 +76,7 @@ def get_task(name: str) -> Task:
 
 
 def task_names() -> list[str]:
-    _load_env_tasks()
-    return sorted(_TASKS)
+    return _TASKS.names()
 
 
 def total(parts: dict[str, float]) -> float:

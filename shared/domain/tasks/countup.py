@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass
 
 from shared.domain.tasks.arith import ArithTask
-from shared.domain.tasks.base import TaskItem, register_task
+from shared.domain.tasks.base import TaskItem
 
 # The longest completion: 30 numbers of up to 2 digits plus spaces, and EOS.
 MAX_COMPLETION_TOKENS = 96
@@ -55,6 +55,3 @@ class CountUpTask(ArithTask):
         start = int(fields.get("start", fields["answer"]))
         ok = completion.split() == trace(start, int(fields["answer"])).split()
         return {"correct": 1.0 if ok else 0.0}
-
-
-register_task("countup", CountUpTask)

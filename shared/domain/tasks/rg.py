@@ -22,10 +22,6 @@ unknown dataset or option names the valid choices; values are type-checked again
 dataset's config and its own `validate()`; and a few items are generated in a child process
 under a deadline, so a config that makes generation hang or prompts huge is refused with
 the reason instead of stalling the feeder. reasoning-gym is imported on first use only.
-
-Over ~400 lines: reasoning-gym's options, split, bounds and scorer form one adapter whose
-checks (option coercion, size bounds, the sample check in a child process) only make sense
-together.
 """
 
 from __future__ import annotations
@@ -46,7 +42,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from shared.domain.tasks.base import TaskItem, register_task_family
+from shared.domain.tasks.base import TaskItem
 
 PREFIX = "rg:"
 # Our own options, beside the dataset's config fields (no reasoning-gym config has these names:
@@ -405,6 +401,3 @@ def _check_in_child(dataset: str, options_json: str) -> None:
         return
     reason = out.get("error") or f"the check process exited {proc.returncode}: {proc.stderr.strip()[-500:]}"
     raise _bad(f"rg:{dataset} could not generate items with these options: {reason}")
-
-
-register_task_family(PREFIX, RgTask)

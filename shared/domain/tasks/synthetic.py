@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from fractions import Fraction
 from typing import Any
 
-from shared.domain.tasks.base import TaskItem, VerifiedTask, register_task
+from shared.domain.tasks.base import TaskItem, VerifiedTask
 from shared.task_spec import VerifierRef
 
 HELDOUT_FRACTION = 0.15
@@ -147,7 +147,3 @@ class CodeTask(VerifiedTask):
     def heldout_items(self, n: int) -> list[TaskItem]:
         it = _split_stream(_code_item, 1234, heldout=True)
         return [next(it) for _ in range(n)]
-
-
-register_task("mathword", MathWordTask)
-register_task("code", CodeTask)

@@ -2,16 +2,13 @@
 
 Built in: exact, regex, format, overlong (DAPO length shaping), math (math-verify),
 code (sandboxed tests), http (a JSON reward-model endpoint), openai_judge (an
-OpenAI-compatible server as a judge). Weighted combinations: `score_components`.
+OpenAI-compatible server as a judge), registered in shared/domain/catalog.py. Weighted
+combinations: `score_components`.
 Pure Python: no torch or vllm (shared/ stays light); math-verify is imported lazily.
 """
 
 from __future__ import annotations
 
-from shared.domain.verifiers import basic as _basic  # noqa: F401  (registers exact, regex, format, overlong)
-from shared.domain.verifiers import code as _code  # noqa: F401  (registers code)
-from shared.domain.verifiers import http as _http  # noqa: F401  (registers http, openai_judge)
-from shared.domain.verifiers import math_answer as _math  # noqa: F401  (registers math)
 from shared.domain.verifiers.combine import TAG_SEP, TagBudget, error_tag, score_components, split_parts
 from shared.domain.verifiers.registry import (
     Scored,

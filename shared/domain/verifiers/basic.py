@@ -14,7 +14,7 @@ from typing import Any
 
 import re2
 
-from shared.domain.verifiers.registry import Scored, VerifierError, register_arg_check, register_verifier
+from shared.domain.verifiers.registry import Scored, VerifierError
 
 
 def _need(value: object, name: str, verifier: str) -> str:
@@ -23,7 +23,6 @@ def _need(value: object, name: str, verifier: str) -> str:
     return str(value)
 
 
-@register_verifier("exact")
 def exact(
     completions: Sequence[str],
     answer: str | None = None,
@@ -76,7 +75,6 @@ def compile_pattern(pattern: str, flags: str = "") -> Any:
         ) from None
 
 
-@register_verifier("regex")
 def regex(
     completions: Sequence[str],
     pattern: str | None = None,
@@ -92,9 +90,7 @@ def regex(
     return [1.0 if test(c) else 0.0 for c in completions]
 
 
-@register_arg_check("regex")
-@register_arg_check("format")
-def _check_regex_args(args: Mapping[str, Any]) -> None:
+def check_pattern_args(args: Mapping[str, Any]) -> None:
     if "mode" in args and args["mode"] not in MODES:
         raise VerifierError(f"regex mode must be one of {list(MODES)}, got {args['mode']!r}", arg="mode")
     if isinstance(args.get("pattern"), str):  # else it comes from the item's fields
@@ -107,14 +103,12 @@ def _check_regex_args(args: Mapping[str, Any]) -> None:
 THINK_ANSWER = r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$"
 
 
-@register_verifier("format")
 def format_check(completions: Sequence[str], pattern: str = THINK_ANSWER, flags: str = "s", **_: object) -> list[float]:
     """1.0 when the whole completion has the expected shape (default: <think>..</think><answer>..</answer>)."""
     return regex(completions, pattern=pattern, mode="fullmatch", flags=flags)
 
 
-@register_arg_check("overlong")
-def _check_overlong_args(args: Mapping[str, Any]) -> None:
+def check_overlong_args(args: Mapping[str, Any]) -> None:
     for key in ("max_len", "cache"):
         if key in args and (not isinstance(args[key], int) or isinstance(args[key], bool) or args[key] < 0):
             raise VerifierError(
@@ -122,7 +116,6 @@ def _check_overlong_args(args: Mapping[str, Any]) -> None:
             )
 
 
-@register_verifier("overlong")
 def overlong(
     completions: Sequence[str],
     completion_tokens: Sequence[int] | None = None,

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from shared.domain.sandbox import Limits, SandboxUnavailable, check_isolation, run_code
-from shared.domain.verifiers.registry import Scored, VerifierError, register_arg_check, register_verifier
+from shared.domain.verifiers.registry import Scored, VerifierError
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,6 @@ def parse_tests(tests: Any) -> list[dict[str, Any]]:
     return tests
 
 
-@register_verifier("code")
 def code_tests(
     completions: Sequence[str],
     tests: Any = None,
@@ -93,8 +92,7 @@ def code_tests(
         return list(ex.map(one, completions))
 
 
-@register_arg_check("code")
-def _check_code_args(args: Mapping[str, Any]) -> None:
+def check_code_args(args: Mapping[str, Any]) -> None:
     # At or below 0 nothing can run; above its cap a value would be cut silently: say so instead.
     for key, cap in CAPS.items():
         v = args.get(key)

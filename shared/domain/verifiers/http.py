@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from shared.domain.verifiers.registry import Scored, VerifierError, register_arg_check, register_verifier
+from shared.domain.verifiers.registry import Scored, VerifierError
 
 ALLOW_ENV = "BURSTRL_REWARD_HTTP_ALLOW"
 
@@ -36,7 +36,6 @@ def _headers(api_key_env: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-@register_verifier("http")
 def http_rm(
     completions: Sequence[str],
     url: str | None = None,
@@ -68,7 +67,6 @@ JUDGE_TEMPLATE = (
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
-@register_verifier("openai_judge")
 def openai_judge(
     completions: Sequence[str],
     url: str | None = None,
@@ -109,8 +107,7 @@ def openai_judge(
     return out
 
 
-@register_arg_check("http")
-def _check_http_args(args: Mapping[str, Any]) -> None:
+def check_http_args(args: Mapping[str, Any]) -> None:
     # Which URLs are allowed is the reward service's setting (BURSTRL_REWARD_HTTP_ALLOW), so
     # the api checks only that there is one, of the right scheme.
     url = args.get("url")
@@ -122,8 +119,7 @@ def _check_http_args(args: Mapping[str, Any]) -> None:
             raise VerifierError(f"{key} must be above 0, got {v!r}", arg=key)
 
 
-@register_arg_check("openai_judge")
-def _check_judge_args(args: Mapping[str, Any]) -> None:
-    _check_http_args(args)
+def check_judge_args(args: Mapping[str, Any]) -> None:
+    check_http_args(args)
     if not isinstance(args.get("model"), str) or not args["model"]:
         raise VerifierError("openai_judge needs args.model (the served model name)", arg="model")

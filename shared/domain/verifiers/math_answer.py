@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
-from shared.domain.verifiers.registry import Scored, VerifierError, register_verifier
+from shared.domain.verifiers.registry import Scored, VerifierError
 
 
 def _timeouts() -> dict[str, Any]:
@@ -32,7 +32,6 @@ def _parse_gold(answer: str) -> list[Any]:
     return gold
 
 
-@register_verifier("math")
 def math_equiv(completions: Sequence[str], answer: str | None = None, **_: object) -> list[float]:
     """1.0 when the completion's final answer (\\boxed{} first, else the last expression)
     is mathematically equal to `answer`: 1/2 = 0.5 = \\frac{2}{4}, {1,2} = {2,1}, ..."""

@@ -6,9 +6,10 @@ entry in the job's task spec and a few context keywords every verifier may ignor
 `prompt`, `completion_tokens` (list[int]) and `max_tokens`. It returns one float per
 completion, or a `Scored` (a float that also says why, e.g. "wall_time_limit").
 
-Plugins are modules named in the reward service's own settings (BURSTRL_REWARD_PLUGINS)
-that call `register_verifier` on import. A job payload only names verifiers: it can
-never make a service import anything.
+The built-ins are named in shared/domain/catalog.py and loaded on first use. Plugins are
+modules named in the reward service's own settings (BURSTRL_REWARD_PLUGINS) that call
+`register_verifier` on import. A job payload only names verifiers: it can never make a
+service import anything.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from shared.plugins import import_plugins, register
+from shared.domain import catalog
+from shared.plugins import Registry, import_plugins
 
 VerifierFn = Callable[..., Sequence[float]]
 
@@ -48,28 +50,28 @@ class VerifierError(ValueError):
         self.arg = arg
 
 
-_VERIFIERS: dict[str, VerifierFn] = {}
 ArgCheck = Callable[[Mapping[str, Any]], None]
-_CHECKS: dict[str, ArgCheck] = {}
+_VERIFIERS: Registry[VerifierFn] = Registry("verifier", catalog.VERIFIERS)
+_CHECKS: Registry[ArgCheck] = Registry("verifier arg check", catalog.VERIFIER_ARG_CHECKS, replace_silently=True)
 
 
 def register_verifier(name: str, fn: VerifierFn | None = None, *, replace: bool = False) -> Any:
     """Register `fn` under `name`; usable as a decorator: `@register_verifier("mine")`."""
-    return register(_VERIFIERS, "verifier", name, fn, replace=replace)
+    return _VERIFIERS.register(name, fn, replace=replace)
 
 
 def get_verifier(name: str) -> VerifierFn:
-    try:
-        return _VERIFIERS[name]
-    except KeyError:
+    fn = _VERIFIERS.get(name)
+    if fn is None:
         raise VerifierError(
-            f"unknown verifier {name!r}; known: {sorted(_VERIFIERS)} "
+            f"unknown verifier {name!r}; known: {_VERIFIERS.names()} "
             "(plugins must be listed in the reward service's BURSTRL_REWARD_PLUGINS)"
-        ) from None
+        )
+    return fn
 
 
 def verifier_names() -> list[str]:
-    return sorted(_VERIFIERS)
+    return _VERIFIERS.names()
 
 
 def register_arg_check(name: str) -> Callable[[ArgCheck], ArgCheck]:
@@ -78,11 +80,7 @@ def register_arg_check(name: str) -> Callable[[ArgCheck], ArgCheck]:
     runs it at submission, so a bad config is a 422 naming the field, not a reward of 0
     with a "misconfigured" tag on every group."""
 
-    def add(check: ArgCheck) -> ArgCheck:
-        _CHECKS[name] = check
-        return check
-
-    return add
+    return _CHECKS.register(name)
 
 
 _SIMPLE = (str, int, float, bool, type(None))
@@ -136,8 +134,8 @@ def check_verifier_args(name: str, args: Mapping[str, Any]) -> None:
             if accepted is not None and not _fits(value, accepted):
                 want = " or ".join("null" if t is type(None) else t.__name__ for t in accepted)
                 raise VerifierError(f"verifier {name!r} argument {key!r} must be {want}, got {value!r}", arg=key)
-    if name in _CHECKS:
-        _CHECKS[name](args)
+    if (check := _CHECKS.get(name)) is not None:
+        check(args)
 
 
 def load_plugins(modules: Iterable[str]) -> list[str]:
