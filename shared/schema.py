@@ -225,12 +225,7 @@ M = TypeVar("M", TinkerCall, TinkerResult, SampleCall, SampleResult)
 
 def decode_tinker(data: bytes, expected: type[M]) -> M:
     """Decode a Tinker message and check its type and schema version."""
-    msg = _tinker_decoder.decode(data)
-    if not isinstance(msg, expected):
-        raise TypeError(f"expected {expected.__name__}, got {type(msg).__name__}")
-    if msg.v != SCHEMA_VERSION:
-        raise TypeError(f"schema version {msg.v} is not {SCHEMA_VERSION}")
-    return msg
+    return _checked(_tinker_decoder.decode(data), expected)
 
 
 # Top level flat (one series per key); a value may be a small dict or list (histograms, parts).
@@ -283,7 +278,11 @@ def encode(msg: msgspec.Struct) -> bytes:
 
 def decode(data: bytes, expected: type[T]) -> T:
     """Decode and check the type; raises msgspec.ValidationError / DecodeError / TypeError."""
-    msg = _decoder.decode(data)
+    return _checked(_decoder.decode(data), expected)
+
+
+def _checked(msg: Message, expected: type[T]) -> T:
+    """`msg`, once it is an `expected` of this schema version (the one check every decode makes)."""
     if not isinstance(msg, expected):
         raise TypeError(f"expected {expected.__name__}, got {type(msg).__name__}")
     if msg.v != SCHEMA_VERSION:

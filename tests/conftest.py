@@ -18,7 +18,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest
 import redis
 
-from tests.support.servers import RedisServer, start_s3, stop
+from shared.store import ObjectStore, open_store
+from tests.support.servers import RedisServer, make_bucket, start_s3, stop
 
 # Fixtures that live beside their harness: `stack` (api + reward processes, for the dashboard).
 pytest_plugins = ["tests.support.dashboard"]
@@ -39,6 +40,17 @@ def r(redis_server: RedisServer) -> Iterator[redis.Redis]:
     client.flushall()
     yield client
     client.close()
+
+
+@pytest.fixture(params=["file", "s3"])
+def file_or_s3_store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
+    """An empty store, once on file:// and once on a bucket of the real S3-protocol server."""
+    if request.param == "file":
+        return open_store(f"file://{tmp_path}/store")
+    endpoint = request.getfixturevalue("s3_endpoint")
+    bucket = f"b{abs(hash(str(tmp_path))) % 10**8}"
+    make_bucket(endpoint, bucket)
+    return open_store(f"s3://{bucket}/burstrl")
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,7 @@ from shared.bus import FIELD
 from shared.domain.tasks import task_for_job
 from shared.job import JobSpec
 from shared.schema import PromptMsg, decode
+from tests.support.cli import burstrl
 from tests.support.launched import service_launcher
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,15 +115,7 @@ def test_job_survives_api_kill_9_and_feeding_resumes(api, r):
 
 
 def _burstrl(home: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "BURSTRL_HOME": str(home)}
-    return subprocess.run(
-        [sys.executable, "-m", "services.cli.main", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return burstrl(*args, timeout=60, BURSTRL_HOME=str(home))
 
 
 def test_logs_follow_and_unknown_service(home):

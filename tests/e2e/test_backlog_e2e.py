@@ -13,23 +13,20 @@ import pytest
 
 from services.cli.launch import free_port
 from shared.ledger import audit
+from tests.support.jobs import arith_job
 from tests.support.servers import make_bucket
 from tests.support.stack import service_stack, wait_for
 
-JOB = {
-    "name": "ble2e",
-    "task": "arith",
-    "group_size": 8,
-    "batch_size": 8,
-    "steps": 4,
-    "learning_rate": 1e-3,
-    "lora_rank": 8,
-    "lora_alpha": 16,
-    "max_staleness": 1,
-    "eval_size": 0,
-    "sampling": {"temperature": 1.0, "max_tokens": 6},
-    "backlog": {"max_groups": 96, "segment_groups": 16},
-}
+JOB = arith_job(
+    "ble2e",
+    group=8,
+    batch=8,
+    steps=4,
+    learning_rate=1e-3,
+    lora_rank=8,
+    lora_alpha=16,
+    backlog={"max_groups": 96, "segment_groups": 16},
+)
 
 
 @pytest.mark.slow

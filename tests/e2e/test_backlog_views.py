@@ -3,9 +3,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,6 +10,7 @@ import httpx
 
 from shared.store import FileStore
 from tests.support.backlog import group, push_ready, runtime, spiller
+from tests.support.cli import burstrl
 from tests.support.dashboard import TOKEN, dashboard_page, require_browser
 from tests.support.heartbeats import fake_heartbeat
 
@@ -55,15 +53,7 @@ def test_dashboard_json_status_and_page_show_the_backlog(stack, r, redis_server,
     assert next(s for s in ov["services"] if s["replica"] == "view-0")["idle_frac"] == 0.031
 
     # `burstrl status JOB`: the backlog and rollout's idle fraction in the summary.
-    env = {**os.environ, "BURSTRL_TOKEN": TOKEN, "COLUMNS": "200"}
-    out = subprocess.run(
-        [sys.executable, "-m", "services.cli.main", "status", job_id, "--api", base],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = burstrl("status", job_id, "--api", base, BURSTRL_TOKEN=TOKEN)
     assert out.returncode == 0, out.stderr
     assert "backlog: 32 groups" in out.stdout and "4 segments" in out.stdout, out.stdout
     assert "oldest 0 versions" in out.stdout and "freshest first" in out.stdout

@@ -19,24 +19,14 @@ from services.cli.launch import alive, free_port, tail
 from shared import keys
 from shared.ledger import audit
 from shared.policy import read_pointer
+from tests.support.jobs import arith_job
 from tests.support.stack import service_stack, wait_for
 
 pytestmark = pytest.mark.slow
 
 ROLES = ["api", "reward", "rollout", "trainer"]
 BURST = "burst-rollout"
-JOB = {
-    "name": "burst-replica",
-    "task": "arith",
-    "group_size": 8,
-    "batch_size": 4,
-    "steps": 12,
-    "learning_rate": 1e-3,
-    "kl_coef": 0.0,
-    "max_staleness": 1,
-    "eval_size": 0,
-    "sampling": {"temperature": 1.0, "max_tokens": 6},
-}
+JOB = arith_job("burst-replica", group=8, batch=4, steps=12, learning_rate=1e-3, kl_coef=0.0)
 
 
 def _pending_to(client, stream: str, group: str, consumer: str) -> int:

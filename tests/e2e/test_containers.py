@@ -33,6 +33,7 @@ from shared import keys
 from shared.ledger import audit
 from shared.redis_conn import connect
 from tests.support.compose import ROOT, Engine, Project, missing_tools, wait_for
+from tests.support.jobs import arith_job
 
 pytestmark = pytest.mark.containers
 
@@ -41,19 +42,16 @@ MODEL = ROOT / ".burstrl" / "models" / "tiny-sft"
 REWARD_IMAGE = os.environ.get("TEST_REWARD_IMAGE", "localhost/burstrl/reward:0.1.0")
 HOME_FILES = ["compose.yaml", "compose.tls.yaml", "compose.test.yaml", "compose.test-tls.yaml"]
 BURST_FILES = [ROOT / "deploy" / "burst" / "compose.burst.yaml", "compose.test-burst.yaml"]
-JOB = {
-    "name": "containers",
-    "task": "arith",
-    "base_model": "/opt/models/tiny-sft",  # where compose.test*.yaml mount the tiny model
-    "group_size": 8,
-    "batch_size": 4,
-    "steps": 6,
-    "learning_rate": 2e-3,
-    "kl_coef": 0.001,  # the ref service takes part
-    "max_staleness": 1,
-    "eval_size": 16,
-    "sampling": {"temperature": 1.0, "max_tokens": 6},
-}
+JOB = arith_job(
+    "containers",
+    group=8,
+    batch=4,
+    steps=6,
+    base_model="/opt/models/tiny-sft",  # where compose.test*.yaml mount the tiny model
+    learning_rate=2e-3,
+    kl_coef=0.001,  # the ref service takes part
+    eval_size=16,
+)
 # Inside the reward container: the sandbox's own check, a code reward judged through it, and what
 # the solution can see of the machine (no network; /proc of its own pid namespace or not).
 SANDBOX_PROBE = r"""

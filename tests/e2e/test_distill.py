@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.jobs import arith_job
 from tests.support.stack import service_stack, wait_for
 
 ROLES = ["api", "reward", "ref", "rollout", "trainer"]
@@ -28,18 +29,15 @@ ROLES = ["api", "reward", "ref", "rollout", "trainer"]
 # three builds (SFT seeds 0, 1, 2): held-out KL 0.64x, 0.30x, 0.34x of v0, greedy accuracy +0.51,
 # +0.81, +0.90, against the bounds below of 0.75x and +0.2.
 STEPS = 28
-JOB = {
-    "name": "distill",
-    "task": "arith",
-    "group_size": 8,
-    "batch_size": 8,
-    "steps": STEPS,
-    "learning_rate": 5e-4,
-    "max_staleness": 1,
-    "eval_size": 0,  # judged offline below, on the whole held-out set
-    "algorithm": {"advantage": "distill"},
-    "sampling": {"temperature": 1.0, "max_tokens": 6},
-}
+JOB = arith_job(
+    "distill",
+    group=8,
+    batch=8,
+    steps=STEPS,
+    learning_rate=5e-4,
+    eval_size=0,  # judged offline below, on the whole held-out set
+    algorithm={"advantage": "distill"},
+)
 
 
 @pytest.mark.slow

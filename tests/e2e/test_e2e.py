@@ -15,22 +15,12 @@ import httpx
 import pytest
 
 from shared.ledger import audit
+from tests.support.jobs import arith_job
 from tests.support.servers import make_bucket
 from tests.support.stack import readyz, service_stack, wait_for
 
 ROLES = ["api", "reward", "ref", "rollout", "trainer"]
-JOB = {
-    "name": "e2e",
-    "task": "arith",
-    "group_size": 16,
-    "batch_size": 8,
-    "steps": 10,
-    "learning_rate": 2e-3,
-    "kl_coef": 0.001,
-    "max_staleness": 1,
-    "eval_size": 64,
-    "sampling": {"temperature": 1.0, "max_tokens": 6},
-}
+JOB = arith_job("e2e", group=16, batch=8, steps=10, learning_rate=2e-3, kl_coef=0.001, eval_size=64)
 
 
 @pytest.mark.slow

@@ -15,19 +15,11 @@ import redis
 
 from shared.dataset import DatasetGuard, new_dataset
 from shared.ledger import UnknownJob, audit
+from tests.support.jobs import arith_job
 from tests.support.stack import readyz, service_stack, wait_for
 
 ROLES = ["api", "reward", "rollout", "trainer"]
-JOB = {
-    "name": "lost",
-    "task": "arith",
-    "group_size": 8,
-    "batch_size": 4,
-    "steps": 10,
-    "max_staleness": 1,
-    "eval_size": 0,
-    "sampling": {"temperature": 1.0, "max_tokens": 6},
-}
+JOB = arith_job("lost", group=8, batch=4, steps=10)
 
 
 def test_audit_refuses_a_job_it_does_not_know(r: redis.Redis) -> None:

@@ -7,25 +7,16 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tests.support.jobs import arith_job
 from tests.support.stack import service_stack, wait_for
 
 pytestmark = pytest.mark.slow
 
 ROLES = ["api", "reward", "ref", "rollout", "trainer"]
 STEPS = 3
-JOB = {
-    "name": "full-e2e",
-    "task": "arith",
-    "group_size": 8,
-    "batch_size": 4,
-    "steps": STEPS,
-    "learning_rate": 1e-4,
-    "kl_coef": 0.0,
-    "max_staleness": 1,
-    "eval_size": 0,
-    "algorithm": {"finetune": "full"},
-    "sampling": {"temperature": 1.0, "max_tokens": 6},
-}
+JOB = arith_job(
+    "full-e2e", group=8, batch=4, steps=STEPS, learning_rate=1e-4, kl_coef=0.0, algorithm={"finetune": "full"}
+)
 
 
 def test_full_weight_job_trains_through_the_services(tmp_path, tiny_model) -> None:  # noqa: ANN001

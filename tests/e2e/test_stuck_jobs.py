@@ -12,19 +12,11 @@ import httpx
 import pytest
 
 from shared.ledger import audit
+from tests.support.jobs import arith_job
 from tests.support.stack import service_stack, wait_for
 
 ROLES = ["api", "reward", "rollout", "trainer"]
-JOB = {
-    "name": "stuck",
-    "task": "arith",
-    "group_size": 4,
-    "batch_size": 4,
-    "steps": 30,
-    "max_staleness": 1,
-    "eval_size": 0,
-    "sampling": {"temperature": 1.0, "max_tokens": 6},
-}
+JOB = arith_job("stuck", group=4, batch=4, steps=30)
 
 
 def _job(api: str, job_id: str) -> dict:

@@ -26,11 +26,12 @@ from shared.job import JobSpec, JobState, load_job
 from shared.ledger import audit
 from shared.metrics import read_ledger
 from shared.store import FileStore
+from tests.support.jobs import fresh_tiny_model, small_spec
 from tests.support.launched import service_launcher
 from tests.support.proxy import TcpProxy
 from tests.support.servers import make_bucket
 from tests.support.stack import readyz, wait_for
-from tests.support.window import FeedLoop, Sampler, stop_all
+from tests.support.window import FeedLoop, Sampler, completed, sample_until, stop_all
 
 TOKEN = "outage-test-token-0123456789"
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
@@ -39,23 +40,11 @@ BATCH, G = 2, 2
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from shared.ml.tiny_model import build_model
-
-    return build_model(tmp_path_factory.mktemp("tiny") / "m", hidden=64, layers=2, seed=0)
+    return fresh_tiny_model(tmp_path_factory)
 
 
 def _spec(model_dir: Path, steps: int) -> JobSpec:
-    return JobSpec(
-        name="outage",
-        base_model=str(model_dir),
-        group_size=G,
-        batch_size=BATCH,
-        steps=steps,
-        max_staleness=1,
-        lora_rank=4,
-        lora_alpha=8,
-        eval_size=0,
-    )
+    return small_spec(model_dir, name="outage", group=G, batch=BATCH, steps=steps, eval_size=0)
 
 
 def _check(port: int, name: str) -> dict:
@@ -122,12 +111,11 @@ def test_a_flushall_mid_job_is_loud_writes_nothing_and_recovers_clean(r, tmp_pat
         api = f"http://127.0.0.1:{api_port}"
         body = _spec(model_dir, steps=12).model_dump(mode="json")
         job_id = httpx.post(f"{api}/v1/jobs", json=body, headers=HEADERS, timeout=30).json()["id"]
-        sampler = Sampler(r, job_id, g=G)
-        sampler.start()
-        try:
-            wait_for(lambda: read_ledger(r, job_id).get("trained", 0) >= 2 * BATCH, 240, "two steps", launcher)
-        finally:
-            stop_all(sampler)
+
+        def two_steps() -> bool:
+            return read_ledger(r, job_id).get("trained", 0) >= 2 * BATCH
+
+        sample_until(r, job_id, G, two_steps, 240, "two steps", launcher)
         r.flushall()  # Redis loses everything mid-job; the store keeps the job and its checkpoints
 
         log = Path(launcher.procs()["trainer"].log)
@@ -153,17 +141,7 @@ def test_a_flushall_mid_job_is_loud_writes_nothing_and_recovers_clean(r, tmp_pat
         got = httpx.post(f"{api}/v1/orphans/recover", headers=HEADERS, timeout=60).json()
         assert got["recovered"] == [job_id]
         assert all(f[b"m"] != b"a late writer's point" for _, f in r.xrange(keys.metrics(job_id)))
-        sampler = Sampler(r, job_id, g=G)
-        sampler.start()
-        try:
-            wait_for(
-                lambda: (rec := load_job(r, job_id)) is not None and rec.state == JobState.completed,
-                300,
-                "the recovered job to complete",
-                launcher,
-            )
-        finally:
-            stop_all(sampler)
+        sample_until(r, job_id, G, completed(r, job_id), 300, "the recovered job to complete", launcher)
         wait_for(lambda: _check(api_port, "orphans").get("ok") is True, 120, "the orphans check to clear", launcher)
         assert readyz(api_port)[0] == 200
     a = audit(r, job_id)

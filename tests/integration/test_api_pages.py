@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -19,6 +16,7 @@ from shared import keys
 from shared.job import index_member
 from tests.support.api import api_client
 from tests.support.api import served as serve
+from tests.support.cli import burstrl
 
 TOKEN = "pages-test-token-0123456789ab"
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,18 +133,10 @@ def test_the_indexes_are_rebuilt_from_the_records_when_missing(client, r):
 def test_the_cli_follows_every_page(client, r):
     ids = _submit(client, 205, name="cli")  # three pages of the default 100
     client.post(f"/v1/jobs/{ids[0]}/cancel")
-    env = {**os.environ, "BURSTRL_TOKEN": TOKEN, "COLUMNS": "200"}
     with serve(client.app) as url:
 
         def run(*args: str) -> list[str]:
-            out = subprocess.run(
-                [sys.executable, "-m", "services.cli.main", "jobs", "--api", url, *args],
-                cwd=ROOT,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
+            out = burstrl("jobs", "--api", url, *args, BURSTRL_TOKEN=TOKEN)
             assert out.returncode == 0, out.stderr
             return [line.split()[0] for line in out.stdout.splitlines() if line.startswith("cli-")]
 

@@ -31,12 +31,13 @@ from services.trainer.policy import ADAPTER_WEIGHTS
 from shared import keys
 from shared.backlog import read_index
 from shared.bus import Bus
-from shared.job import JobRecord, JobSpec, JobState, insert_job, load_job
+from shared.job import JobState, load_job
 from shared.ledger import audit
 from shared.metrics import read_ledger
 from shared.segments import stored_segments
 from shared.store import FileStore, open_store
 from tests.support.backlog import Drain, group, new_job, push_ready, roll, runtime, spec, spiller
+from tests.support.jobs import insert_running, small_spec
 from tests.support.proxy import TcpProxy
 from tests.support.servers import RedisServer, make_bucket
 from tests.support.stack import readyz, wait_for
@@ -178,20 +179,9 @@ def _trainer_world(r, redis_url: str, tmp: Path, model_dir: Path) -> FileStore:
     """36 ready groups: 4 in the hot window, 32 in four segments of 8, trained oldest first."""
     r.flushall()
     store = FileStore(tmp / "store")
-    s = JobSpec(
-        name="blkill",
-        base_model=str(model_dir),
-        group_size=4,
-        batch_size=KBATCH,
-        steps=KSTEPS,
-        learning_rate=5e-3,
-        max_staleness=1,
-        lora_rank=4,
-        lora_alpha=8,
-        backlog={"max_groups": 64, "segment_groups": 8},
-    )
-    now = time.time()
-    insert_job(r, JobRecord(id=KJOB, spec=s, state=JobState.running, created_at=now, updated_at=now))
+    backlog = {"max_groups": 64, "segment_groups": 8}
+    s = small_spec(model_dir, name="blkill", group=4, batch=KBATCH, steps=KSTEPS, learning_rate=5e-3, backlog=backlog)
+    insert_running(r, KJOB, s)
     r.sadd(keys.active_jobs(), KJOB)
     Bus.ensure_groups(r, KJOB)
     push_ready(r, KJOB, [group(KJOB, i) for i in range(KSTEPS * KBATCH)])

@@ -6,9 +6,7 @@ tokenizer, weights missing) is refused by name, with nothing written where servi
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +21,7 @@ from shared.ml.gguf_import import (
     verify_folder,
 )
 from shared.model_files import context_length, has_chat_template
-from tests.support import ROOT
+from tests.support.cli import burstrl
 
 
 @pytest.mark.slow
@@ -144,11 +142,4 @@ def test_the_command_line_says_what_is_wrong(tmp_path: Path) -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "services.cli.main", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "COLUMNS": "400"},  # rich wraps at the terminal's width: one line per message
-    )
+    return burstrl(*args, timeout=600)

@@ -32,20 +32,14 @@ from shared.fence import record_takeover
 from shared.folders import MANIFEST, get_folder, put_folder
 from shared.lease import Lease, LeaseLost
 from shared.policy import DeposedWrite, Manifest, fetch_version, make_probe, publish_version, version_prefix
-from shared.store import ObjectStore, open_store
-from tests.support.servers import make_bucket
+from shared.store import ObjectStore
 
 JOB = "late-1"
 
 
-@pytest.fixture(params=["file", "s3"])
-def store(request, tmp_path) -> ObjectStore:  # noqa: ANN001
-    if request.param == "file":
-        return open_store(f"file://{tmp_path}/store")
-    endpoint = request.getfixturevalue("s3_endpoint")
-    bucket = f"late{abs(hash(str(tmp_path))) % 10**8}"
-    make_bucket(endpoint, bucket)
-    return open_store(f"s3://{bucket}/burstrl")
+@pytest.fixture
+def store(file_or_s3_store: ObjectStore) -> ObjectStore:
+    return file_or_s3_store
 
 
 class FrozenAfterFirst:
@@ -85,25 +79,9 @@ def _holder(r: redis.Redis, store: ObjectStore, owner: str) -> tuple[Lease, Call
 def _race(r: redis.Redis, store: ObjectStore, prefix: str, write: Callable[[ObjectStore, Lease, Callable], None]):
     """A writes through a store that freezes it after its first file; meanwhile its lease expires
     and B writes the same folder; then A wakes. Returns what A raised."""
-    a, a_check = _holder(r, store, "a")
-    frozen = FrozenAfterFirst(store, prefix)
-    raised: list[BaseException] = []
-
-    def run_a() -> None:
-        try:
-            write(frozen, a, a_check)  # type: ignore[arg-type]
-        except BaseException as e:  # noqa: BLE001 (handed to the test)
-            raised.append(e)
-
-    th = threading.Thread(target=run_a)
-    th.start()
-    assert frozen.frozen.wait(60), "A never reached its second file"
-    r.delete(keys.trainer_lease(JOB))  # A's lease expired while it was frozen
-    b, b_check = _holder(r, store, "b")
-    assert b.epoch > a.epoch
-    write(store, b, b_check)
-    frozen.thaw.set()
-    th.join(60)
+    raised, _, _ = _a_frozen_while_b(
+        r, store, FrozenAfterFirst(store, prefix), write, lambda b, b_check: write(store, b, b_check)
+    )
     return raised
 
 
@@ -223,8 +201,19 @@ def _frozen_at_manifest(
     """A writes through a store that freezes it right before its manifest; meanwhile its lease
     expires, B takes the job over and runs `meanwhile`; then A wakes. Returns what A raised, and
     B's lease and lease check."""
+    return _a_frozen_while_b(r, store, FrozenAtManifest(store, prefix), write_a, meanwhile)
+
+
+def _a_frozen_while_b(
+    r: redis.Redis,
+    store: ObjectStore,
+    frozen: FrozenAfterFirst | FrozenAtManifest,
+    write_a: Callable[[ObjectStore, Lease, Callable], None],
+    meanwhile: Callable[[Lease, Callable], None],
+) -> tuple[list[BaseException], Lease, Callable[[], None]]:
+    """A writes through `frozen` until it freezes; its lease expires, B takes the job over and runs
+    `meanwhile`; then A wakes. Returns what A raised, and B's lease and lease check."""
     a, a_check = _holder(r, store, "a")
-    frozen = FrozenAtManifest(store, prefix)
     raised: list[BaseException] = []
 
     def run_a() -> None:
@@ -235,7 +224,7 @@ def _frozen_at_manifest(
 
     th = threading.Thread(target=run_a)
     th.start()
-    assert frozen.frozen.wait(60), "A never reached its manifest"
+    assert frozen.frozen.wait(60), "A never reached the write it freezes at"
     r.delete(keys.trainer_lease(JOB))  # A's lease expired while it was frozen
     b, b_check = _holder(r, store, "b")
     assert b.epoch > a.epoch

@@ -8,14 +8,9 @@ from shared.store import FileStore, ObjectExists, StoreError, open_store
 from tests.support.servers import make_bucket
 
 
-@pytest.fixture(params=["file", "s3"])
-def store(request, tmp_path):
-    if request.param == "file":
-        return open_store(f"file://{tmp_path}/store")
-    endpoint = request.getfixturevalue("s3_endpoint")
-    bucket = f"b{abs(hash(str(tmp_path))) % 10**8}"
-    make_bucket(endpoint, bucket)
-    return open_store(f"s3://{bucket}/burstrl")
+@pytest.fixture
+def store(file_or_s3_store):
+    return file_or_s3_store
 
 
 def test_put_get_list(store):

@@ -30,10 +30,11 @@ from shared.ledger import audit
 from shared.metrics import read_ledger
 from shared.store import FileStore
 from tests.support.backlog import fake_rt, group, push_ready
+from tests.support.jobs import fresh_tiny_model, small_spec
 from tests.support.launched import service_launcher
 from tests.support.stack import readyz, wait_for
 from tests.support.waits import Deadline
-from tests.support.window import FeedLoop, Sampler, stop_all
+from tests.support.window import FeedLoop, Sampler, completed, sample_until, stop_all
 
 STEPS, BATCH, G = 4, 2, 2
 TOKEN = "window-test-token-0123456789"
@@ -41,21 +42,17 @@ TOKEN = "window-test-token-0123456789"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from shared.ml.tiny_model import build_model
-
-    return build_model(tmp_path_factory.mktemp("tiny") / "m", hidden=64, layers=2, seed=0)
+    return fresh_tiny_model(tmp_path_factory)
 
 
 def _spec(model_dir: Path, *, staleness: int, backlog: bool, steps: int = STEPS, batch: int = BATCH) -> JobSpec:
-    return JobSpec(
+    return small_spec(
+        model_dir,
         name="win",
-        base_model=str(model_dir),
-        group_size=G,
-        batch_size=batch,
+        group=G,
+        batch=batch,
         steps=steps,
         max_staleness=staleness,
-        lora_rank=4,
-        lora_alpha=8,
         eval_size=0,
         # A backlog as small as a batch: its budget fills as the window does.
         backlog={"max_groups": batch, "segment_groups": batch} if backlog else {},
@@ -202,17 +199,7 @@ def test_the_issue_settings_finish_with_the_api_and_the_trainer_as_processes(r, 
         resp = httpx.post(f"http://127.0.0.1:{api_port}/v1/jobs", json=body, headers=headers, timeout=30)
         assert resp.status_code == 201, resp.text
         job_id = resp.json()["id"]
-        sampler = Sampler(r, job_id, g=G)
-        sampler.start()
-        try:
-            wait_for(
-                lambda: (rec := load_job(r, job_id)) is not None and rec.state == JobState.completed,
-                240,
-                f"job {job_id} to complete",
-                launcher,
-            )
-        finally:
-            stop_all(sampler)
+        sample_until(r, job_id, G, completed(r, job_id), 240, f"job {job_id} to complete", launcher)
         code, ready = readyz(trainer_port)
         assert code == 200, ready
     led = read_ledger(r, job_id)

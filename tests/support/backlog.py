@@ -22,22 +22,13 @@ from shared.schema import Completion, GroupMsg, decode, encode, pack_f32, pack_i
 from shared.service import Health, ServiceRuntime
 from shared.settings import CommonSettings
 from shared.store import ObjectStore
+from tests.support.jobs import small_spec
 from tests.support.waits import Deadline
 
 
 def spec(base_model: str = "tiny", *, batch: int = 4, group: int = 4, steps: int = 100, **backlog: object) -> JobSpec:
     bl = {"max_groups": 256, "segment_groups": 8, **backlog}
-    return JobSpec(
-        name="bl",
-        base_model=base_model,
-        group_size=group,
-        batch_size=batch,
-        steps=steps,
-        max_staleness=1,
-        lora_rank=4,
-        lora_alpha=8,
-        backlog=bl,
-    )
+    return small_spec(base_model, name="bl", group=group, batch=batch, steps=steps, backlog=bl)
 
 
 def new_job(r: redis.Redis, s: JobSpec) -> JobRecord:

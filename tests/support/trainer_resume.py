@@ -3,7 +3,6 @@ its groups, its Redis state and store, and a way to start (or restart) its train
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -17,11 +16,11 @@ from services.trainer.policy import ADAPTER_WEIGHTS
 from services.trainer.settings import TrainerSettings
 from shared import keys
 from shared.bus import FIELD, Bus
-from shared.job import JobRecord, JobSpec, JobState, insert_job
 from shared.lease import Lease
 from shared.schema import Completion, GroupMsg, encode, pack_f32, pack_i32, pack_u8
 from shared.store import FileStore
 from tests.support.backlog import fake_rt
+from tests.support.jobs import insert_running, small_spec
 
 JOB = "resume-1"
 STEPS, BATCH, G = 5, 2, 4
@@ -69,20 +68,18 @@ class Run:
         r.flushall()
         self.r = r
         self.store = FileStore(tmp / "store")
-        spec = JobSpec(
+        algorithm = {"dynamic_sampling": True, "warmup_steps": 3, "lr_schedule": "cosine"}
+        spec = small_spec(
+            model_dir,
             name="resume",
-            base_model=str(model_dir),
-            group_size=G,
-            batch_size=BATCH,
+            group=G,
+            batch=BATCH,
             steps=steps,
             learning_rate=5e-3,
             max_staleness=64,
-            lora_rank=4,
-            lora_alpha=8,
-            algorithm={"dynamic_sampling": True, "warmup_steps": 3, "lr_schedule": "cosine"},
+            algorithm=algorithm,
         )
-        now = time.time()
-        insert_job(r, JobRecord(id=JOB, spec=spec, state=JobState.running, created_at=now, updated_at=now))
+        insert_running(r, JOB, spec)
         Bus.ensure_groups(r, JOB)
         groups = resume_groups(data_steps)
         for g in groups:

@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import redis
 
 from services.api.feeder import Feeder
 from shared import keys
 from shared.bus import Bus
+from shared.job import JobState, load_job
 from shared.policy import read_pointer
 from shared.schema import PromptMsg, encode
 from shared.store import ObjectStore
 from tests.support.backlog import group
+from tests.support.stack import wait_for
 
 
 class Sampler(threading.Thread):
@@ -63,3 +66,20 @@ def stop_all(*threads: Sampler | FeedLoop) -> None:
     for t in threads:
         if t.ident is not None:
             t.join(timeout=10)
+
+
+def sample_until(  # noqa: ANN001 (launcher: tests.support.launched's, for its logs on a timeout)
+    r: redis.Redis, job_id: str, g: int, pred: Callable[[], object], timeout: float, what: str, launcher=None
+) -> None:
+    """A Sampler serves `job_id` until `pred()` holds (at most `timeout` s), then stops."""
+    sampler = Sampler(r, job_id, g=g)
+    sampler.start()
+    try:
+        wait_for(pred, timeout, what, launcher)
+    finally:
+        stop_all(sampler)
+
+
+def completed(r: redis.Redis, job_id: str) -> Callable[[], bool]:
+    """A predicate: `job_id` is in state completed."""
+    return lambda: (rec := load_job(r, job_id)) is not None and rec.state == JobState.completed
