@@ -39,6 +39,7 @@ from shared import keys
 from shared.bus_scripts import ACK_LUA, FENCED_ACK_LUA, INJECT_LUA, LEAVE_LUA, SETTLE_LUA, SPILL_LUA, TRIM_LUA
 from shared.lease import Fence, LeaseLost
 from shared.schema import DeadLetter, Message, decode, encode_dead
+from shared.slots import read_streams
 
 log = logging.getLogger(__name__)
 FIELD = b"m"  # every stream entry has one field holding the msgpack payload
@@ -165,10 +166,12 @@ class Bus:
         # Ask without blocking first, so `stats.read_s` measures the bus's own cost (the
         # round trip and the transfer) and not the time spent waiting for data.
         t0 = time.perf_counter()
-        resp = self.r.xreadgroup(self.group, self.consumer, {s: ">" for s in streams}, count=count)
+        # On a cluster the jobs' streams are read slot by slot (shared/slots.py).
+        new = {s: ">" for s in streams}
+        resp = read_streams(self.r, new, count=count, block_ms=None, group=self.group, consumer=self.consumer)
         self.stats.read_s += time.perf_counter() - t0
         if not resp:
-            resp = self.r.xreadgroup(self.group, self.consumer, {s: ">" for s in streams}, count=count, block=block_ms)
+            resp = read_streams(self.r, new, count=count, block_ms=block_ms, group=self.group, consumer=self.consumer)
         for stream, entries in resp or []:
             for eid, fields in entries:
                 if fields is None:  # trimmed while pending: nothing to do but ack
@@ -466,20 +469,35 @@ class Bus:
         if not units:
             return []
         t0 = time.perf_counter()
-        index: dict[str, int] = {}
+        # One script call per job (a job's keys share one Redis Cluster slot, shared/keys.py),
+        # all of them in one pipeline: still one round trip on a single Redis.
+        by_job: dict[str, list[int]] = {}
+        for i, (e, outputs, _) in enumerate(units):
+            for stream, _ in outputs:
+                if keys.job_of_stream(stream) != e.job_id:
+                    raise ValueError(f"settle: an entry of job {e.job_id} has an output on another job's {stream}")
+            by_job.setdefault(e.job_id, []).append(i)
+        pipe = self.r.pipeline(transaction=False)
+        for positions in by_job.values():
+            index: dict[str, int] = {}
 
-        def k(key: str) -> int:  # 1-based position in KEYS
-            return index.setdefault(key, len(index) + 1)
+            def k(key: str, index: dict[str, int] = index) -> int:  # 1-based position in KEYS
+                return index.setdefault(key, len(index) + 1)
 
-        args: list[bytes | str | int] = [self.group, FIELD, len(units)]
-        for e, outputs, counters in units:
-            args += [k(e.stream), e.id, k(keys.ledger(e.job_id)), len(outputs)]
-            for stream, payload in outputs:
-                args += [k(stream), payload]
-            args.append(len(counters))
-            for name, n in counters.items():
-                args += [name, n]
-        flags = [bool(int(x)) for x in self._settle_script(keys=list(index), args=args)]
+            args: list[bytes | str | int] = [self.group, FIELD, len(positions)]
+            for i in positions:
+                e, outputs, counters = units[i]
+                args += [k(e.stream), e.id, k(keys.ledger(e.job_id)), len(outputs)]
+                for stream, payload in outputs:
+                    args += [k(stream), payload]
+                args.append(len(counters))
+                for name, n in counters.items():
+                    args += [name, n]
+            self._settle_script(keys=list(index), args=args, client=pipe)
+        flags = [False] * len(units)
+        for positions, got in zip(by_job.values(), pipe.execute(), strict=True):
+            for i, x in zip(positions, got, strict=True):
+                flags[i] = bool(int(x))
         self.stats.settle_s += time.perf_counter() - t0
         if not all(flags):
             skipped = flags.count(False)
