@@ -11,6 +11,13 @@ from shared.metrics import read_ledger
 from shared.redis_conn import RedisPolicyError, check_server
 from shared.schema import decode_dead
 
+
+@pytest.fixture(params=["redis", "cluster"])
+def r(request, r):
+    """Each test on one Redis and on a 3-master Redis Cluster (the same scripts, routed by slot)."""
+    return r if request.param == "redis" else request.getfixturevalue("rc")
+
+
 JOB = "t-1"
 
 

@@ -21,6 +21,7 @@ from tests.support.waits import Deadline
 @dataclass
 class ClusterNode:
     port: int
+    bus_port: int  # not port + 10000: that may pass 65535
     dir: Path
     proc: subprocess.Popen | None = None
 
@@ -57,41 +58,10 @@ class RedisCluster:
         return f"redis+cluster://127.0.0.1:{self.nodes[0].port}/0"
 
     def start(self) -> None:
-        exe = shutil.which("redis-server")
-        assert exe, "redis-server must be installed (make install does it)"
         for i in range(self.masters * (1 + self.replicas)):
-            node = ClusterNode(free_port(), self.tmp / f"node{i}")
+            node = ClusterNode(free_port(), free_port(), self.tmp / f"node{i}")
             node.dir.mkdir(parents=True, exist_ok=True)
-            node.proc = subprocess.Popen(
-                [
-                    exe,
-                    "--port",
-                    str(node.port),
-                    "--bind",
-                    "127.0.0.1",
-                    "--dir",
-                    str(node.dir),
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                    "--cluster-port",
-                    str(free_port()),  # not port + 10000: that may pass 65535
-                    "--cluster-node-timeout",
-                    "1000",
-                    "--appendonly",
-                    "yes",
-                    "--appendfsync",
-                    "everysec",
-                    "--save",
-                    "",
-                    "--maxmemory-policy",
-                    "noeviction",
-                ],  # fmt: skip
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+            self._spawn(node)
             self.nodes.append(node)
         for node in self.nodes:
             assert node.proc is not None
@@ -114,6 +84,47 @@ class RedisCluster:
         )
         if made.returncode != 0:
             raise RuntimeError(f"redis-cli --cluster create failed: {made.stdout[-2000:]} {made.stderr[-2000:]}")
+        self.wait_ok()
+
+    def _spawn(self, node: ClusterNode) -> None:
+        exe = shutil.which("redis-server")
+        assert exe, "redis-server must be installed (make install does it)"
+        node.proc = subprocess.Popen(
+            [
+                exe,
+                "--port",
+                str(node.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(node.dir),
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-port",
+                str(node.bus_port),
+                "--cluster-node-timeout",
+                "1000",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+                "--save",
+                "",
+                "--maxmemory-policy",
+                "noeviction",
+            ],  # fmt: skip
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def restart(self, node: ClusterNode) -> None:
+        """Start a killed node again on its port, folder and nodes.conf (its id and slots)."""
+        self._spawn(node)
+        assert node.proc is not None
+        _wait_port(node.port, node.proc, "redis-server (cluster node)")
         self.wait_ok()
 
     def wait_ok(self, timeout: float = 60) -> None:
