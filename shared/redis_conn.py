@@ -109,6 +109,7 @@ def connect_async(url: str, *, longest_block_s: float) -> redis.asyncio.Redis:
     options = {**_TIMEOUTS, "socket_timeout": longest_block_s + 10.0}
     cluster = cluster_url(url)
     if cluster is not None:  # dials on its first command (the sync client checked the mode at start)
+        options.pop("retry_on_timeout")  # not a setting of the asyncio cluster client (it retries by `retry`)
         return redis.asyncio.cluster.RedisCluster.from_url(cluster, **options)  # type: ignore[return-value]
     return redis.asyncio.Redis.from_url(url, **options)
 
