@@ -99,28 +99,25 @@ class DatasetGuard:
         self._remember_cluster()
         return self.id
 
-    def _remember_cluster(self) -> None:
+    def _remember_cluster(self, *, overwrite: bool = False) -> None:
         """On a cluster: remember who serves each slot range, and mark each range with the id
-        where no marker is, or where it holds an id the dataset superseded (a recovery no running
-        service adopted); a marker of any other dataset stays, and `check` says so."""
+        (`overwrite`: every range; else where no marker is, or where it holds an id the dataset
+        superseded: a recovery no running service adopted; a marker of any other dataset stays,
+        and `check` says so)."""
         if not is_cluster(self.r):
             return
         cur = read_dataset(self.r) or {}
         self.masters = cluster_masters(self.r)
         self.markers = {rng: marker_key(rng) for rng in self.masters}
         for key in self.markers.values():
-            held = self.r.get(key)
+            held = None if overwrite else self.r.get(key)
             if held is None or held.decode() in cur.get("supersedes", []):
                 self.r.set(key, self.id)
 
     def _adopt(self, new_id: str) -> None:
         """Recovery superseded our id: carry on with `new_id` and the cluster as it is now."""
         self.id = new_id
-        if is_cluster(self.r):
-            self.masters = cluster_masters(self.r)
-            self.markers = {rng: marker_key(rng) for rng in self.masters}
-            for key in self.markers.values():
-                self.r.set(key, self.id)
+        self._remember_cluster(overwrite=True)
 
     def _cluster_loss(self) -> str:
         """ "" while every slot range is served by the master that served it at attach and still
