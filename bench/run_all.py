@@ -70,6 +70,7 @@ def items(full: bool, results: Path) -> list[tuple[str, list[str]]]:
         "burst": ["bench/burst.py", *(["--full"] if full else [])],
         "tinker_overhead": ["bench/tinker_overhead.py", "--steps", "16" if full else "10"],
         "tinker_rl": ["bench/tinker_rl.py", "--steps", "16"],
+        "load": ["bench/load.py", "--jobs", "20", "--steps", "6", "--replicas", "1,2"],
     }
     return [(name, [PY, *cmd, "--out", str(results / f"{name}.md")]) for name, cmd in commands.items()]
 

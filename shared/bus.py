@@ -34,11 +34,14 @@ from typing import Protocol, TypeVar
 
 import msgspec
 import redis
+from redis.commands.core import Script
 
 from shared import keys
 from shared.bus_scripts import ACK_LUA, FENCED_ACK_LUA, INJECT_LUA, LEAVE_LUA, SETTLE_LUA, SPILL_LUA, TRIM_LUA
 from shared.lease import Fence, LeaseLost
+from shared.redis_conn import is_cluster
 from shared.schema import DeadLetter, Message, decode, encode_dead
+from shared.slots import read_streams
 
 log = logging.getLogger(__name__)
 FIELD = b"m"  # every stream entry has one field holding the msgpack payload
@@ -165,10 +168,12 @@ class Bus:
         # Ask without blocking first, so `stats.read_s` measures the bus's own cost (the
         # round trip and the transfer) and not the time spent waiting for data.
         t0 = time.perf_counter()
-        resp = self.r.xreadgroup(self.group, self.consumer, {s: ">" for s in streams}, count=count)
+        # On a cluster the jobs' streams are read slot by slot (shared/slots.py).
+        new = {s: ">" for s in streams}
+        resp = read_streams(self.r, new, count=count, block_ms=None, group=self.group, consumer=self.consumer)
         self.stats.read_s += time.perf_counter() - t0
         if not resp:
-            resp = self.r.xreadgroup(self.group, self.consumer, {s: ">" for s in streams}, count=count, block=block_ms)
+            resp = read_streams(self.r, new, count=count, block_ms=block_ms, group=self.group, consumer=self.consumer)
         for stream, entries in resp or []:
             for eid, fields in entries:
                 if fields is None:  # trimmed while pending: nothing to do but ack
@@ -422,23 +427,25 @@ class Bus:
         if not entries:
             return 0
         t0 = time.perf_counter()
-        pipe = self.r.pipeline(transaction=False)
+        calls: list[tuple[Script, list, list]] = []
         for stream, es in by_stream.items():
             job_id = es[0].job_id
             names = list((ledger or {}).get(job_id, {}))
             for i in range(0, len(es), 1000):  # Lua's unpack() has a stack limit of ~8000 values
                 ids = [e.id for e in es[i : i + 1000]]
                 if fence is None:
-                    self._ack_script(
-                        keys=[stream, keys.ledger(job_id)], args=[self.group, len(names), *names, *ids], client=pipe
+                    calls.append(
+                        (self._ack_script, [stream, keys.ledger(job_id)], [self.group, len(names), *names, *ids])
                     )
                 else:
-                    self._fenced_ack_script(
-                        keys=[fence.key, stream, keys.ledger(job_id)],
-                        args=[fence.value, self.group, len(names), *names, *ids],
-                        client=pipe,
+                    calls.append(
+                        (
+                            self._fenced_ack_script,
+                            [fence.key, stream, keys.ledger(job_id)],
+                            [fence.value, self.group, len(names), *names, *ids],
+                        )
                     )
-        results = [int(x) for x in pipe.execute()]
+        results = [int(x) for x in self._run_scripts(calls)]
         if any(x < 0 for x in results):
             # Nothing after the first refused chunk can have been acknowledged either: the
             # lease does not come back within one pipeline.
@@ -448,6 +455,17 @@ class Bus:
         if done < len(entries):
             log.warning("%d of %d entries were already acknowledged elsewhere", len(entries) - done, len(entries))
         return done
+
+    def _run_scripts(self, calls: list[tuple[Script, list, list]]) -> list:
+        """Each (script, keys, args), in order, in one round trip on a single Redis (a pipeline).
+        On a cluster one call each: redis-py's cluster pipeline does not load a script that a node
+        lacks (NOSCRIPT; a promoted replica has an empty script cache), the script's own call does."""
+        if is_cluster(self.r):
+            return [script(keys=k, args=a) for script, k, a in calls]
+        pipe = self.r.pipeline(transaction=False)
+        for script, k, a in calls:
+            script(keys=k, args=a, client=pipe)
+        return pipe.execute()
 
     def settle(self, units: list[tuple[Entry, list[tuple[str, bytes]], dict[str, int]]]) -> int:
         """Settle each (input entry, outputs, counters) atomically and at most once.
@@ -466,20 +484,35 @@ class Bus:
         if not units:
             return []
         t0 = time.perf_counter()
-        index: dict[str, int] = {}
+        # One script call per job (a job's keys share one Redis Cluster slot, shared/keys.py),
+        # in one round trip on a single Redis.
+        by_job: dict[str, list[int]] = {}
+        for i, (e, outputs, _) in enumerate(units):
+            for stream, _ in outputs:
+                if keys.job_of_stream(stream) != e.job_id:
+                    raise ValueError(f"settle: an entry of job {e.job_id} has an output on another job's {stream}")
+            by_job.setdefault(e.job_id, []).append(i)
+        calls: list[tuple[Script, list, list]] = []
+        for positions in by_job.values():
+            index: dict[str, int] = {}
 
-        def k(key: str) -> int:  # 1-based position in KEYS
-            return index.setdefault(key, len(index) + 1)
+            def k(key: str, index: dict[str, int] = index) -> int:  # 1-based position in KEYS
+                return index.setdefault(key, len(index) + 1)
 
-        args: list[bytes | str | int] = [self.group, FIELD, len(units)]
-        for e, outputs, counters in units:
-            args += [k(e.stream), e.id, k(keys.ledger(e.job_id)), len(outputs)]
-            for stream, payload in outputs:
-                args += [k(stream), payload]
-            args.append(len(counters))
-            for name, n in counters.items():
-                args += [name, n]
-        flags = [bool(int(x)) for x in self._settle_script(keys=list(index), args=args)]
+            args: list[bytes | str | int] = [self.group, FIELD, len(positions)]
+            for i in positions:
+                e, outputs, counters = units[i]
+                args += [k(e.stream), e.id, k(keys.ledger(e.job_id)), len(outputs)]
+                for stream, payload in outputs:
+                    args += [k(stream), payload]
+                args.append(len(counters))
+                for name, n in counters.items():
+                    args += [name, n]
+            calls.append((self._settle_script, list(index), args))
+        flags = [False] * len(units)
+        for positions, got in zip(by_job.values(), self._run_scripts(calls), strict=True):
+            for i, x in zip(positions, got, strict=True):
+                flags[i] = bool(int(x))
         self.stats.settle_s += time.perf_counter() - t0
         if not all(flags):
             skipped = flags.count(False)

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from shared.lease import FENCE_CHECK
 
-# One call settles a batch of units, each at most once. KEYS: every stream and ledger
-# key the batch touches. ARGV: group, field, n_units, then per unit: input key index,
+# One call settles a batch of units of one job, each at most once. KEYS: every stream and
+# ledger key the batch touches (one job's: one Redis Cluster slot). ARGV: group, field, n_units, then per unit: input key index,
 # entry id, ledger key index, n_outputs, (output key index, payload)..., n_counters,
 # (name, n)... Returns one flag per unit: 1 if it was settled now (its XACK removed the entry).
 SETTLE_LUA = """

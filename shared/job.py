@@ -366,29 +366,44 @@ def _state_indexes() -> list[str]:
     return [keys.jobs_in_state(s.value) for s in JobState]
 
 
-def insert_job(r: redis.Redis, rec: JobRecord, *, also: Callable[[Pipeline], None] | None = None) -> None:
-    """Create a job, never over an existing one: its record, its index entries and its creation
-    mark (keys.created), and `also(pipe)` (the job's other keys: pointer, ledger, active set) in
-    one MULTI. Raises JobTaken, writing nothing, when the id has a record or a creation mark, or
-    another creator takes it meanwhile (the mark is WATCHed). Every later change goes through
-    `update_job`."""
+def insert_job(
+    r: redis.Redis, rec: JobRecord, *, also: Callable[[Pipeline], None] | None = None, active: bool = False
+) -> None:
+    """Create a job, never over an existing one, in two MULTIs, each on one Redis Cluster slot
+    (shared/keys.py): first the job's own keys, its creation mark (keys.created) and `also(pipe)`
+    (the job's other keys: pointer, ledger; only keys of this job); then its record, its index
+    entries and (`active`) its place in the active set. Raises JobTaken, writing nothing, when
+    the id has a record or a creation mark, or another creator takes it meanwhile (the mark is
+    WATCHed, and only the creator that set it goes on to the record). Every later change goes
+    through `update_job`.
+
+    The job's keys go first, so no stage ever sees a record whose ledger is not there yet. A crash
+    between the two leaves a mark and keys with no record: that id stays taken (a retry draws
+    another), and `DELETE`/recovery never see it; its few keys are left for an operator."""
     mark = keys.created(rec.id)
+    if r.hexists(keys.jobs_index(), rec.id):
+        raise JobTaken(rec.id)
     with r.pipeline(transaction=True) as pipe:
         try:
             pipe.watch(mark)
-            if pipe.exists(mark) or pipe.hexists(keys.jobs_index(), rec.id):
+            if pipe.exists(mark):
                 raise JobTaken(rec.id)
-            member = index_member(rec.id, rec.created_at)
             pipe.multi()
             pipe.set(mark, repr(rec.created_at))
-            pipe.hset(keys.jobs_index(), rec.id, rec.model_dump_json())
-            pipe.zadd(keys.jobs_by_created(), {member: 0})
-            pipe.zadd(keys.jobs_in_state(rec.state.value), {member: 0})
             if also is not None:
                 also(pipe)
             pipe.execute()
         except redis.WatchError:
             raise JobTaken(rec.id) from None
+    # The mark is ours: no other creator of this id gets here. The table's own MULTI (its slot).
+    member = index_member(rec.id, rec.created_at)
+    pipe = r.pipeline(transaction=True)
+    pipe.hset(keys.jobs_index(), rec.id, rec.model_dump_json())
+    pipe.zadd(keys.jobs_by_created(), {member: 0})
+    pipe.zadd(keys.jobs_in_state(rec.state.value), {member: 0})
+    if active:
+        pipe.sadd(keys.active_jobs(), rec.id)
+    pipe.execute()
 
 
 def remove_job(pipe: Pipeline, job_id: str, raw: bytes) -> None:

@@ -3,6 +3,15 @@
 All keys live under one prefix so a shared Redis can host several deployments
 (`BURSTRL_REDIS_PREFIX`). Streams are scoped per job: several jobs share the rollout,
 reward and ref pools, each with its own streams, ledger and policy pointer.
+
+Every key carries a Redis Cluster hash tag (the part in braces picks the slot), so each
+script and MULTI touches one slot (docs/architecture.md, "Keys and Redis Cluster"):
+- a job's keys, `{PREFIX}:{{job_id}}:{name}`: the job id is the tag, so a job's streams,
+  ledger, pointer and lease are on one slot, and any script over them runs there;
+- every other key, `{{PREFIX}}:{name}`: the prefix is the tag, so the job table, its
+  indexes, the active set, the dataset id and the heartbeats share one slot.
+No script or MULTI touches keys of both kinds, nor of two jobs (shared/job.py's
+insert_job writes a job's keys, then its record, in two steps).
 """
 
 from __future__ import annotations
@@ -24,6 +33,12 @@ def _prefix() -> str:
 
 PREFIX = _prefix()
 
+
+def _global(name: str) -> str:
+    """A key that is no job's: the prefix is its hash tag, so all of them share one slot."""
+    return f"{{{PREFIX}}}:{name}"
+
+
 # Consumer-group names, one per stage. Replicas of a stage share the group.
 GROUP_ROLLOUT = "rollout"
 GROUP_REWARD = "reward"
@@ -38,44 +53,49 @@ SPILL_CONSUMER = "spill-"
 
 def dataset() -> str:
     """String (JSON): the identity of this Redis dataset (shared/dataset.py): {id, created_at, supersedes}."""
-    return f"{PREFIX}:dataset"
+    return _global("dataset")
 
 
 def jobs_index() -> str:
     """Hash job_id -> JobRecord JSON (the api's durable job table)."""
-    return f"{PREFIX}:jobs"
+    return _global("jobs")
 
 
 def active_jobs() -> str:
     """Set of job ids that stages should serve (running or paused-but-draining)."""
-    return f"{PREFIX}:jobs:active"
+    return _global("jobs:active")
 
 
 def jobs_by_created() -> str:
     """Sorted set (all scores 0, ordered by member): every job in the table, as shared/job.py's
     `index_member` "{created_at in µs}/{job_id}": GET /v1/jobs pages it newest first."""
-    return f"{PREFIX}:jobs:by-created"
+    return _global("jobs:by-created")
 
 
 def jobs_in_state(state: str) -> str:
     """Sorted set like jobs_by_created, of the jobs in one state (GET /v1/jobs?state=...)."""
-    return f"{PREFIX}:jobs:state:{state}"
+    return _global(f"jobs:state:{state}")
 
 
 def page_key() -> str:
     """String: the random key that signs the api's page cursors (services/api/pages.py); a new
     Redis dataset gets a new one, so cursors from before a loss are refused as stale."""
-    return f"{PREFIX}:jobs:page-key"
+    return _global("jobs:page-key")
+
+
+def _per_job_key(job_id: str, name: str) -> str:
+    """`{PREFIX}:{{job_id}}:{name}`: the one shape of every per-job key (job_of_stream and
+    job_key_pattern, deleting a job's keys, parse and match it); the braces make the job id
+    the key's Redis Cluster hash tag, so all of a job's keys share one slot (job ids are
+    [a-z0-9-], shared/job.py: no brace ends the tag early)."""
+    return f"{PREFIX}:{{{job_id}}}:{name}"
 
 
 def _per_job(name: str, doc: str) -> Callable[[str], str]:
-    """The key function of the per-job key `{PREFIX}:{job_id}:{name}`, documented by `doc`.
-
-    Made here, not written out per key, because every per-job key must have this one shape:
-    job_of_stream and job_key_pattern (deleting a job's keys) parse and match it."""
+    """The key function of the per-job key `name` (`_per_job_key`'s shape), documented by `doc`."""
 
     def key(job_id: str) -> str:
-        return f"{PREFIX}:{job_id}:{name}"
+        return _per_job_key(job_id, name)
 
     key.__doc__ = doc
     return key
@@ -152,36 +172,36 @@ tinker_samples = _per_job(
 
 def tinker_sample_result(job_id: str, request: str) -> str:
     """String: the SampleResult of a Tinker sample call, written by rollout, expiring (SAMPLE_RESULT_TTL_S)."""
-    return f"{PREFIX}:{job_id}:tinker-sample-result:{request}"
+    return _per_job_key(job_id, f"tinker-sample-result:{request}")
 
 
 def tinker_done(job_id: str, request: str) -> str:
     """List: a token pushed when a Tinker request's result is written, for the api's long poll."""
-    return f"{PREFIX}:{job_id}:tinker-done:{request}"
+    return _per_job_key(job_id, f"tinker-done:{request}")
 
 
 def tinker_sessions() -> str:
     """Hash session id -> JSON {created_at, heartbeat_at, sdk_version}: the Tinker API's sessions."""
-    return f"{PREFIX}:tinker:sessions"
+    return _global("tinker:sessions")
 
 
 def eval_claim(job_id: str, version: int) -> str:
     """Lock so only one rollout replica evaluates a given version."""
-    return f"{PREFIX}:{job_id}:eval-claim:{version}"
+    return _per_job_key(job_id, f"eval-claim:{version}")
 
 
 def backlog_done(job_id: str, segment: str) -> str:
     """Bitmap: bit i set once group i of an indexed segment left the backlog (trained, dropped, dead)."""
-    return f"{PREFIX}:{job_id}:backlog-done:{segment}"
+    return _per_job_key(job_id, f"backlog-done:{segment}")
 
 
 def service(role: str, replica: str) -> str:
     """Heartbeat of one service replica (JSON, expires when the replica dies)."""
-    return f"{PREFIX}:svc:{role}:{replica}"
+    return _global(f"svc:{role}:{replica}")
 
 
 def service_pattern() -> str:
-    return f"{PREFIX}:svc:*"
+    return _global("svc:*")
 
 
 def job_key_pattern(job_id: str) -> str:
@@ -189,14 +209,15 @@ def job_key_pattern(job_id: str) -> str:
 
     Glob characters in the id are escaped, so the pattern never reaches another job's keys."""
     escaped = "".join(f"\\{c}" if c in "*?[]\\" else c for c in job_id)
-    return f"{PREFIX}:{escaped}:*"
+    return f"{PREFIX}:{{{escaped}}}:*"
 
 
 def job_of_stream(stream: str) -> str:
-    """The job a per-job key belongs to: `{PREFIX}:{job}:{what}` (job ids hold no ':')."""
+    """The job a per-job key belongs to: `{PREFIX}:{{job}}:{what}` (job ids hold no ':')."""
     head, _, rest = stream.partition(":")
-    job, sep, _ = rest.partition(":")
-    if head != PREFIX or not sep or not job:
+    tag, sep, _ = rest.partition(":")
+    job = tag[1:-1]
+    if head != PREFIX or not sep or len(tag) < 3 or tag[0] != "{" or tag[-1] != "}" or "{" in job or "}" in job:
         raise ValueError(f"{stream!r} is not a per-job key under prefix {PREFIX!r}")
     return job
 

@@ -131,7 +131,11 @@ class ServiceRuntime:
         self.gauges: dict[str, Any] = {}  # extra fields for the heartbeat (e.g. versions)
         self.errors = Counter("burstrl_errors", "Errors survived by the worker loop", ["kind"], registry=self.registry)
         self.up = Gauge("burstrl_ready", "1 when /readyz is ok", registry=self.registry)
-        self.redis = connect(settings.redis_url)
+        try:
+            self.redis = connect(settings.redis_url)
+        except RedisPolicyError as e:  # REDIS_URL names a cluster, the server is one Redis
+            log.critical("%s", e)
+            raise SystemExit(2) from e
         self.dataset = DatasetGuard(self.redis)
         self.auth = Depends(bearer_auth(settings))
         # Served without the token (a service adds its own with `publish`).

@@ -35,7 +35,8 @@ class CommonSettings(BaseSettings):
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0",
         validation_alias=AliasChoices("REDIS_URL", "BURSTRL_REDIS_URL"),
-        description="Redis DSN (redis:// or rediss:// with password for cross-site use).",
+        description="Redis DSN: redis:// or rediss:// (with a password for cross-site use) for one Redis; "
+        "redis+cluster:// or rediss+cluster:// (any node) for a Redis Cluster.",
     )
     store_url: str = Field(
         "file://.burstrl/store",

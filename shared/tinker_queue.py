@@ -28,6 +28,7 @@ import redis.asyncio
 from shared import keys
 from shared.lease import FENCE_CHECK, Fence, LeaseLost
 from shared.schema import SampleCall, SampleResult, TinkerCall, TinkerResult, decode_tinker, encode
+from shared.slots import read_streams
 
 # How far ahead of the lowest seq_id not yet received a call may be: the SDK keeps a few
 # requests in flight (the chunks of one forward_backward, the optim_step behind them); a
@@ -205,7 +206,7 @@ def read_calls(r: redis.Redis, cursors: dict[str, str], *, block_ms: int) -> dic
     if not cursors:
         return {}
     streams = {keys.tinker_calls(j): c for j, c in cursors.items()}
-    got = r.xread(streams, count=256, block=block_ms or None)
+    got = read_streams(r, streams, count=256, block_ms=block_ms or None)
     out: dict[str, list[QueuedCall]] = {}
     for stream, entries in got or []:
         job = keys.job_of_stream(stream.decode())
@@ -296,7 +297,7 @@ def read_samples(
         if not streams:
             break
         block = new_block_ms if start == ">" and new_block_ms else None
-        got = r.xreadgroup(keys.GROUP_TINKER_SAMPLER, consumer, streams, count=count, block=block)
+        got = read_streams(r, streams, count=count, block_ms=block, group=keys.GROUP_TINKER_SAMPLER, consumer=consumer)
         for stream, entries in got or []:
             job = keys.job_of_stream(stream.decode())
             for eid, fields in entries:

@@ -17,8 +17,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 import redis
+from redis.cluster import RedisCluster as RC
 
+from shared.redis_conn import connect
 from shared.store import ObjectStore, open_store
+from tests.support.redis_cluster import RedisCluster
 from tests.support.servers import RedisServer, make_bucket, start_s3, stop
 
 # Fixtures that live beside their harness: `stack` (api + reward processes, for the dashboard).
@@ -51,6 +54,27 @@ def file_or_s3_store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectSt
     bucket = f"b{abs(hash(str(tmp_path))) % 10**8}"
     make_bucket(endpoint, bucket)
     return open_store(f"s3://{bucket}/burstrl")
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    """A Redis Cluster of 3 masters on loopback (tests/support/redis_cluster.py)."""
+    cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster"), masters=3)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def rc(redis_cluster: RedisCluster) -> Iterator[redis.Redis]:
+    """A client of the cluster (redis-py's RedisCluster, as REDIS_URL=redis+cluster:// gives), every
+    master emptied first."""
+    client = connect(redis_cluster.url)
+    client.flushall(target_nodes=RC.PRIMARIES)  # type: ignore[call-arg]
+    yield client
+    client.close()
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,7 @@ from shared.ledger import count
 from shared.metrics import read_evals, read_ledger
 from shared.policy import read_pointer
 from shared.schema import PromptMsg, encode
+from shared.slots import read_streams
 from shared.store import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class Feeder:
             time.sleep(timeout_s)
             return
         ids = {s: self._cursors.get(s, b"$") for s in streams}
-        got = self.r.xread(ids, count=100, block=max(1, int(timeout_s * 1000)))
+        got = read_streams(self.r, ids, count=100, block_ms=max(1, int(timeout_s * 1000)))
         for stream, entries in got or []:
             self._cursors[stream] = entries[-1][0]
         for s in list(self._cursors):

@@ -77,10 +77,9 @@ def create_job(
         def keys_beside(pipe: Pipeline, job_id: str = job_id) -> None:
             init_pointer(pipe, job_id)  # version 0 = the base model, no adapter
             init_ledger(pipe, job_id)
-            pipe.sadd(keys.active_jobs(), job_id)
 
         try:
-            insert_job(r, rec, also=keys_beside)
+            insert_job(r, rec, also=keys_beside, active=True)
         except JobTaken:
             log.warning("job id %s is taken; drawing another", job_id)
             continue
@@ -219,9 +218,11 @@ def delete_job(
     marked = False
     try:
         for _ in range(50):
+            # The job table's keys are on one Redis Cluster slot, the job's on another (shared/keys.py):
+            # the record goes in a MULTI on the table's slot, then the job's keys, on theirs.
             with r.pipeline(transaction=True) as pipe:
                 try:
-                    pipe.watch(index, keys.trainer_lease(job_id))
+                    pipe.watch(index)
                     raw = pipe.hget(index, job_id)
                     if raw is None:
                         raise JobNotFound(job_id)
@@ -231,19 +232,18 @@ def delete_job(
                         state = None  # no stage serves an unreadable record
                     if state in LIVE_STATES:
                         raise BadTransition(f"cannot delete a job that is {state.value}: cancel it first")
-                    if pipe.exists(keys.trainer_lease(job_id)):
+                    # Read beside the WATCH (another slot): a trainer takes no lease on a job that is not
+                    # live, and one that held it on until now finds no record at its next step.
+                    if r.exists(keys.trainer_lease(job_id)):
                         raise BadTransition(
                             "a trainer still holds this job's lease (it stops at its next step); try again shortly"
                         )
                     if store is not None and not marked:
                         recovery.mark_deleted(store, job_id)
                         marked = True
-                    found = list(pipe.scan_iter(match=keys.job_key_pattern(job_id), count=500))
                     pipe.multi()
                     remove_job(pipe, job_id, raw)
                     pipe.srem(keys.active_jobs(), job_id)
-                    for key in found:
-                        pipe.delete(key)
                     pipe.execute()
                     break
                 except redis.WatchError:
@@ -254,6 +254,11 @@ def delete_job(
         if marked and store is not None and r.hexists(index, job_id):  # not deleted after all
             store.delete(f"{store_prefix(job_id)}{recovery.DELETED_FILE}")
         raise
+    # The record is gone, so no stage serves the job again: its keys go now. A crash in between leaves
+    # keys no record names (the id stays taken: its creation mark is one of them).
+    found = list(r.scan_iter(match=keys.job_key_pattern(job_id), count=500))
+    for key in found:
+        r.delete(key)
     purged = 0
     if store is not None and purge_store:
         mark = f"{store_prefix(job_id)}{recovery.DELETED_FILE}"

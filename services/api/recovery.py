@@ -131,11 +131,9 @@ def recover_jobs(r: redis.Redis, store: ObjectStore, job_ids: list[str] | None =
             init_pointer(pipe, rec.id, o.checkpoint_step)
             pipe.set(keys.trainer_epoch(rec.id), epoch)
             init_ledger(pipe, rec.id, o.groups_trained)
-            if rec.state != JobState.completed:
-                pipe.sadd(keys.active_jobs(), rec.id)
 
         try:
-            insert_job(r, rec, also=keys_beside)
+            insert_job(r, rec, also=keys_beside, active=rec.state != JobState.completed)
         except JobTaken:  # registered meanwhile (another recover call): never over it
             log.warning("job %s: registered meanwhile; left as it is", rec.id)
             continue

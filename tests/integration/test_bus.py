@@ -11,6 +11,13 @@ from shared.metrics import read_ledger
 from shared.redis_conn import RedisPolicyError, check_server
 from shared.schema import decode_dead
 
+
+@pytest.fixture(params=["redis", "cluster"])
+def r(request, r):
+    """Each test on one Redis and on a 3-master Redis Cluster (the same scripts, routed by slot)."""
+    return r if request.param == "redis" else request.getfixturevalue("rc")
+
+
 JOB = "t-1"
 
 
@@ -152,7 +159,7 @@ def test_trim_respects_the_slowest_group(r):
     fast.read([stream], count=4, block_ms=50)
     r.xack(stream, "a", *ids)
     assert trim_acked(r, stream) == 0  # group b has not read anything yet
-    assert trim_acked(r, "burstrl:nosuch:stream") == 0
+    assert trim_acked(r, "burstrl:{nosuch}:stream") == 0
 
 
 def test_audit_catches_an_uncounted_ack(r):

@@ -9,6 +9,13 @@ from shared import keys, tinker_queue
 from shared.lease import Lease, LeaseLost
 from shared.schema import TinkerCall, TinkerResult
 
+
+@pytest.fixture(params=["redis", "cluster"])
+def r(request, r):
+    """Each test on one Redis and on a 3-master Redis Cluster (the same scripts, routed by slot)."""
+    return r if request.param == "redis" else request.getfixturevalue("rc")
+
+
 JOB = "tinker-0123456789-0"
 
 

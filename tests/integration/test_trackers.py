@@ -18,6 +18,7 @@ from services.api import jobs
 from services.api.app import build_routes
 from services.api.settings import ApiSettings
 from services.cli.track import ApiSource, RedisSource, flatten, open_bridge, run_bridge
+from shared import keys
 from shared.job import JobSpec, JobState, set_state
 from shared.metrics import record_eval, record_point
 from shared.service import ServiceRuntime
@@ -43,7 +44,7 @@ def _seed(r, steps: int = 4) -> str:
 
 def _finish(r, job_id: str, version: int) -> None:
     set_state(r, job_id, JobState.completed, only_from={JobState.running})
-    r.set(f"burstrl:{job_id}:policy", version)
+    r.set(keys.policy_pointer(job_id), version)
 
 
 def _tb_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -202,9 +203,9 @@ def test_submit_follow_track_tensorboard(r, redis_server, tmp_path):
         proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             deadline = time.time() + 30
-            while not r.hlen("burstrl:jobs") and time.time() < deadline:
+            while not r.hlen(keys.jobs_index()) and time.time() < deadline:
                 time.sleep(0.1)
-            (job_id,) = [k.decode() for k in r.hkeys("burstrl:jobs")]
+            (job_id,) = [k.decode() for k in r.hkeys(keys.jobs_index())]
             # What the trainer and rollout would record, then the job completes.
             for step in (1, 2):
                 record_point(r, job_id, "trainer", {"step": step, "reward_mean": 0.4 * step, "loss": 0.5})

@@ -59,7 +59,7 @@ class ServiceStack:
     the RedisServer (tests may kill and restart services or Redis through these)."""
 
     launcher: Launcher
-    redis: RedisServer
+    redis: RedisServer | None  # None: the stack runs on a Redis the caller gave (`redis_url`)
     env: dict[str, str]
     ports: dict[str, int]
     started_at: float  # time.time() just before the first service was started
@@ -82,16 +82,22 @@ def service_stack(
     role_env: Mapping[str, Mapping[str, str]] | None = None,
     store_url: str | None = None,
     ready_timeout: float = 400,
+    redis_url: str | None = None,
 ) -> Iterator[ServiceStack]:
     """A RedisServer (data in tmp_path/redis-data) and `roles` as processes on free ports, with
     `stack_env(tmp_path, model, redis, store_url)` plus `env_extra` (and `role_env[role]` for that
-    role only), ready within `ready_timeout` s. On exit the services are stopped, then Redis."""
-    (tmp_path / "redis-data").mkdir()
-    srv = RedisServer(tmp_path / "redis-data")
-    srv.start()
+    role only), ready within `ready_timeout` s. On exit the services are stopped, then Redis.
+    `redis_url`: run on that Redis (a cluster's, say) instead, left running."""
+    srv = None
+    if redis_url is None:
+        (tmp_path / "redis-data").mkdir()
+        srv = RedisServer(tmp_path / "redis-data")
+        srv.start()
     try:
         launcher = Launcher(tmp_path / "run")
-        env = {**stack_env(tmp_path, str(model), srv.url, store_url=store_url), **(env_extra or {})}
+        url = srv.url if srv is not None else redis_url
+        assert url is not None
+        env = {**stack_env(tmp_path, str(model), url, store_url=store_url), **(env_extra or {})}
         ports = {role: free_port() for role in roles}
         stack = ServiceStack(launcher, srv, env, ports, time.time())
         try:
@@ -102,4 +108,5 @@ def service_stack(
         finally:
             launcher.stop_all()
     finally:
-        srv.kill()
+        if srv is not None:
+            srv.kill()

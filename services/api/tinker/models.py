@@ -159,10 +159,9 @@ def create_model(r: redis.Redis, *, req: CreateModelRequest, first_seq: int = 1)
         init_pointer(pipe, job_id)  # version 0 = the base model, no adapter
         init_ledger(pipe, job_id)
         tinker_queue.init_model(pipe, job_id, first_seq=first_seq)
-        pipe.sadd(keys.active_jobs(), job_id)
 
     try:
-        insert_job(r, rec, also=keys_beside)
+        insert_job(r, rec, also=keys_beside, active=True)
     except JobTaken:  # a retried create that raced the first: never over it
         return load_job(r, job_id)  # type: ignore[return-value]
     return rec

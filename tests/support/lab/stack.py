@@ -30,7 +30,7 @@ class Stack:
     """redis-server + the services on free ports under `home`; everything stopped by pid on exit.
 
     `rollouts` > 1 starts extra rollout replicas (own port, own scratch dir) in the same
-    consumer group. `env` is added to every service's environment. `cpus` pins roles to
+    consumer group; `rewards` > 1 the same for reward. `env` is added to every service's environment. `cpus` pins roles to
     cores (see `split_layout`).
     """
 
@@ -41,6 +41,7 @@ class Stack:
         *,
         roles: list[str] | None = None,
         rollouts: int = 1,
+        rewards: int = 1,
         env: dict[str, str] | None = None,
         store_url: str | None = None,
         cpus: dict[str, set[int]] | None = None,
@@ -50,6 +51,7 @@ class Stack:
         self.model = str(model)
         self.roles = list(roles or ROLES)
         self.n_rollouts = rollouts
+        self.n_rewards = rewards
         self.extra_env = env or {}
         self.store_url = store_url
         self.cpus = cpus or {}  # role -> cores it is pinned to (a layout; empty: all share every core)
@@ -60,9 +62,10 @@ class Stack:
 
     @property
     def names(self) -> list[str]:
-        out = [r for r in self.roles if r != "rollout"]
-        if "rollout" in self.roles:
-            out += ["rollout"] + [f"rollout{i}" for i in range(2, self.n_rollouts + 1)]
+        out = [r for r in self.roles if r not in ("rollout", "reward")]
+        for role, n in (("reward", self.n_rewards), ("rollout", self.n_rollouts)):
+            if role in self.roles:
+                out += [role] + [f"{role}{i}" for i in range(2, n + 1)]
         return out
 
     def __enter__(self) -> Stack:
@@ -92,13 +95,13 @@ class Stack:
         self.launcher.stop_all()
 
     def role(self, name: str) -> str:
-        return "rollout" if name.startswith("rollout") else name
+        return next((r for r in ("rollout", "reward") if name.startswith(r)), name)
 
     def start(self, name: str, env: dict[str, str] | None = None) -> None:
         """(Re)start one service on its port (the same port after a crash); `env` adds to the stack's."""
         self.ports.setdefault(name, free_port())
         env = {**self.env, **(env or {})}
-        if name.startswith("rollout") and name != "rollout":  # replicas: their own scratch
+        if self.role(name) != name:  # replicas: their own scratch
             env["BURSTRL_DATA_DIR"] = str(self.home / f"data-{name}")
         cpus = self.cpus.get(self.role(name))
         if cpus:
