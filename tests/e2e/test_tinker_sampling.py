@@ -5,7 +5,8 @@ processes on the tiny model.
 
 - save_weights_and_get_sampling_client, then sample: the sequences' log-probs are the trained
   weights' (the trainer's forward on the same tokens), not the base model's;
-- compute_logprobs (a sample call with prompt log-probs) agrees with the trainer's forward;
+- compute_logprobs (a sample call with prompt log-probs) agrees with the trainer's forward, and with the
+  ref service's transformers scorer on the base model (an untrained adapter);
 - sampling goes on while no trainer holds the model (the home cards keep serving);
 - a named save_weights_for_sampler path opens a sampling client too.
 """
@@ -90,3 +91,20 @@ def test_sampling_is_served_by_rollout_on_the_saved_version(ts: TinkerStack, tin
     out = named.sample(types.ModelInput.from_ints(PROMPT), num_samples=1, sampling_params=params).result(timeout=300)
     assert len(out.sequences) == 1
     wait_for(lambda: served_version(ts, job) == 2, 60, "rollout serving v2", ts.stack.launcher)
+
+
+def test_compute_logprobs_matches_the_ref_engine(ts: TinkerStack, tiny_model: Path) -> None:
+    """compute_logprobs on a sampler of untrained LoRA weights (B = 0: the base model's function),
+    served by rollout, against the ref service's transformers scorer on the base model."""
+    from services.ref.engine import HFScorer
+
+    ts.start_worker(name="tinker-ref")
+    try:
+        tc = ts.client().create_lora_training_client(base_model=str(tiny_model), rank=RANK).result(timeout=60)
+        sc = tc.save_weights_and_get_sampling_client().result(timeout=180)
+        got = sc.compute_logprobs(types.ModelInput.from_ints(PROMPT)).result(timeout=120)
+    finally:
+        ts.stop_worker(name="tinker-ref")
+    want = HFScorer(str(tiny_model), dtype="float32").score([(PROMPT[:1], PROMPT[1:])])[0]
+    assert got[0] is None  # the first token has no context
+    np.testing.assert_allclose(got[1:], want, atol=FP32_ENGINE_LOGPROB_TOL)
