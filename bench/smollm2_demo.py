@@ -10,7 +10,8 @@ Beside accuracy, the page says how sharp the version probe was in this run (docs
 probe on a 49k vocabulary"): the engine's mean difference at each adoption, against how far each
 published version's probe moved from the one before (both from the store's manifests, the
 trainer's fp32 log-probs): a version the engine confused with its predecessor would pass the
-probe whenever that movement is under the tolerance (0.01 for an fp32 engine).
+probe whenever that movement is under the tolerance (FP32_PROBE_TOLERANCE for an fp32 engine,
+services/rollout/adoption.py; 0.01 until this demo's first run measured it).
 
     PYTHONPATH=. .venv/bin/python bench/smollm2_demo.py --out bench/results/smollm2_demo.md
 """
@@ -28,6 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from services.rollout.adoption import FP32_PROBE_TOLERANCE  # noqa: E402
 from tests.support.lab.results import emit, figure, machine, shown_command, table  # noqa: E402
 
 V0_GREEDY = 0.188  # bench/smollm2_v0.py's greedy accuracy of this task at v0 (docs/smollm2.md)
@@ -106,7 +108,8 @@ def page(status: dict[str, Any], moves: list[dict[str, Any]], command: str) -> t
         "- how far each version's probe moved from the previous version's (the trainer's log-probs): "
         + (
             f"{len(moved)} versions, min {min(moved):.1e}, median {sorted(moved)[len(moved) // 2]:.1e}, "
-            f"max {max(moved):.1e}; {sum(m > 0.01 for m in moved)} of them above the fp32 tolerance 0.01"
+            f"max {max(moved):.1e}; {sum(m > FP32_PROBE_TOLERANCE for m in moved)} of them above the fp32 "
+            f"tolerance {FP32_PROBE_TOLERANCE:g}, {sum(m > 0.01 for m in moved)} above 0.01 (the tolerance before it)"
             if moved
             else "no versions"
         ),

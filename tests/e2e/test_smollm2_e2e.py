@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from services.cli.demo import SMOLLM2_JOB
+from services.rollout.adoption import FP32_PROBE_TOLERANCE
 from shared.ledger import audit
 from tests.support.stack import service_stack, wait_for
 
@@ -33,7 +34,6 @@ JOB = {
     "eval_size": 0,
     "sampling": {"temperature": 1.0, "max_tokens": 24},
 }
-FP32_TOLERANCE = 0.01  # services/rollout/adoption.py: an fp32 engine's probe tolerance
 pytestmark = pytest.mark.slow  # five services, two loading a 135M model: minutes on a busy 2-core box
 
 
@@ -68,4 +68,4 @@ def test_smollm2_job_through_every_service(tmp_path: Path, smollm2_model: Path) 
     # rollout adopts the newest version it finds (one published while it sampled may be skipped),
     # each through the probe under the fp32 engine's tolerance
     assert adopted[-1]["version"] == STEPS and all(1 <= p["version"] <= STEPS for p in adopted), adopted
-    assert all(p["probe_mean_diff"] is not None and p["probe_mean_diff"] <= FP32_TOLERANCE for p in adopted), adopted
+    assert all(p["probe_mean_diff"] is not None and p["probe_mean_diff"] <= FP32_PROBE_TOLERANCE for p in adopted), adopted
