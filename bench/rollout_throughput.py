@@ -65,11 +65,11 @@ def service_round(worker, r, job_id: str, prompts: list[str], rnd: int) -> tuple
     for i, p in enumerate(prompts):
         msg = PromptMsg(job_id=job_id, group_id=f"r{rnd}-g{i}", item_id=str(i), prompt=p)
         r.xadd(keys.prompts(job_id), {FIELD: encode(msg)})
-    tokens0 = worker.m_tokens._value.get()
+    tokens0 = worker.generator.m_tokens._value.get()
     t0 = time.perf_counter()
     while int(r.hget(keys.ledger(job_id), "produced") or 0) - produced0 < len(prompts):
         worker.tick()
-    return int(worker.m_tokens._value.get() - tokens0), time.perf_counter() - t0
+    return int(worker.generator.m_tokens._value.get() - tokens0), time.perf_counter() - t0
 
 
 def run_mode(mode: str, args: argparse.Namespace, version: tuple, workdir: Path) -> dict:
