@@ -61,7 +61,7 @@ MAX_TRIES_PER_CALL = 3  # versions tried per adopt_latest call: a run of bad one
 # The probe's default tolerance (mean per-token |engine - trainer| log-prob difference) by the
 # engine's dtype. An fp32 engine agrees with the fp32 trainer to ~1e-5 (SmolLM2: 6e-6..9e-6 at
 # adoption, 2.9e-5 on its worst token; the tiny model likewise), while one optimizer step of the
-# SmolLM2 demo (LoRA, lr 2e-4) moves the probe by only 6e-3..8e-3 (docs/smollm2.md): under 0.01
+# SmolLM2 demo (LoRA, lr 2e-4) moves the probe by 4e-3..1e-2 (median 6.5e-3; docs/smollm2.md): under 0.01
 # the probe passed an engine serving the previous version's weights. 1e-3 keeps 100x over the
 # engine's error and refuses a version one such step stale. Other dtypes carry their own error
 # (the tiny model in bf16: right adapter <= 0.05, wrong one >= 0.28; SmolLM2 in bf16 0.04-0.05).
