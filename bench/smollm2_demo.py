@@ -63,7 +63,7 @@ def probe_moves(store_root: Path, job_id: str) -> list[dict[str, Any]]:
     return out
 
 
-def page(status: dict[str, Any], moves: list[dict[str, Any]], command: str) -> tuple[str, list]:
+def page(status: dict[str, Any], moves: list[dict[str, Any]], command: str, where: str) -> tuple[str, list]:
     evals = status["evals"]
     steps = {p["step"]: p for p in status.get("trainer_points", [])}
     rows = [
@@ -114,14 +114,14 @@ def page(status: dict[str, Any], moves: list[dict[str, Any]], command: str) -> t
             else "no versions"
         ),
         "",
-        machine(),
+        where,
     ]
     figs = [
         figure(
-            "SmolLM2 demo: greedy held-out accuracy, last version vs v0 (points)",
-            f"{last['greedy_accuracy']:.3f} (v{last['version']})",
+            "SmolLM2 demo: greedy held-out accuracy, last version / v0",
+            f"{last['greedy_accuracy']:.3f} (v{last['version']}), {gain:+.1f} points",
             f"{first['greedy_accuracy']:.3f} (v0)",
-            gain,
+            last["greedy_accuracy"] / first["greedy_accuracy"] if first["greedy_accuracy"] else None,
             f">= +{TARGET_POINTS:.0f} points",
         )
     ]
@@ -143,7 +143,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=0, help="0: the demo's own")
     ap.add_argument("--out", type=Path, default=None, help="the page (bench/results/smollm2_demo.md)")
+    ap.add_argument(
+        "--from-json", type=Path, default=None, help="write the page again from a run's results JSON (runs nothing)"
+    )
     args = ap.parse_args()
+    if args.from_json:
+        data = json.loads(args.from_json.read_text())
+        text, figs = page(data["status"], data["probe_moves"], data["command"], data["machine"])
+        keep = {k: data[k] for k in ("status", "probe_moves", "machine", "date")}
+        emit(text, args.out, keep, figures=figs, command=data["command"])
+        return
     models = ROOT / ".burstrl" / "models"
     models.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="smollm2-demo-") as d:
@@ -165,7 +174,7 @@ def main() -> None:
         status = json.loads(save.read_text())
         moves = probe_moves(home / "store", status["job"]["id"])
     command = shown_command(__file__)
-    text, figs = page(status, moves, command)
+    text, figs = page(status, moves, command, machine())
     emit(text, args.out, {"status": status, "probe_moves": moves}, figures=figs, command=command)
     if args.out:
         plot_to(status, args.out.with_suffix(".png"))
