@@ -113,7 +113,7 @@ SMOLLM2_JOB = {
     "eval_size": 64,
     "sampling": {"temperature": 1.0, "max_tokens": 96},
 }
-SMOLLM2_STEPS = 20  # ~30 minutes on 2 cores (docs/smollm2.md)
+SMOLLM2_STEPS = 20  # ~30 minutes on 2 cores at load ~5; 42 at load 8-11 (docs/smollm2.md)
 
 # What each `burstrl demo --env` runs: its job, its model (shipped, copied under home/models) and
 # its plot's file name.
