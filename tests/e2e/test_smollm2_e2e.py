@@ -68,4 +68,6 @@ def test_smollm2_job_through_every_service(tmp_path: Path, smollm2_model: Path) 
     # rollout adopts the newest version it finds (one published while it sampled may be skipped),
     # each through the probe under the fp32 engine's tolerance
     assert adopted[-1]["version"] == STEPS and all(1 <= p["version"] <= STEPS for p in adopted), adopted
-    assert all(p["probe_mean_diff"] is not None and p["probe_mean_diff"] <= FP32_PROBE_TOLERANCE for p in adopted), adopted
+    assert all(p["probe_mean_diff"] is not None and p["probe_mean_diff"] <= FP32_PROBE_TOLERANCE for p in adopted), (
+        adopted
+    )
