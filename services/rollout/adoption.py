@@ -58,6 +58,20 @@ MODEL_DIR = "model"  # inside a full-weight version's folder: the model folder t
 # needs beside the weights (config, tokenizer, chat template), never weights or their index.
 BASE_SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".index.json")
 MAX_TRIES_PER_CALL = 3  # versions tried per adopt_latest call: a run of bad ones cannot stall the loop
+# The probe's default tolerance (mean per-token |engine - trainer| log-prob difference) by the
+# engine's dtype. An fp32 engine agrees with the fp32 trainer to ~1e-5 (SmolLM2: 6e-6..9e-6 at
+# adoption, 2.9e-5 on its worst token; the tiny model likewise), while one optimizer step of the
+# SmolLM2 demo (LoRA, lr 2e-4) moves the probe by 4e-3..1e-2 (median 6.5e-3; docs/smollm2.md): under 0.01
+# the probe passed an engine serving the previous version's weights. 1e-3 keeps 100x over the
+# engine's error and refuses a version one such step stale. Other dtypes carry their own error
+# (the tiny model in bf16: right adapter <= 0.05, wrong one >= 0.28; SmolLM2 in bf16 0.04-0.05).
+FP32_PROBE_TOLERANCE = 1e-3
+OTHER_PROBE_TOLERANCE = 0.25
+
+
+def probe_tolerance_for(dtype: str) -> float:
+    """The probe tolerance an engine computing in `dtype` gets unless one is set."""
+    return FP32_PROBE_TOLERANCE if dtype == "float32" else OTHER_PROBE_TOLERANCE
 
 
 class Adopter:
@@ -86,7 +100,7 @@ class Adopter:
     def probe_tolerance(self) -> float:
         if self.s.probe_tolerance is not None:
             return self.s.probe_tolerance
-        return 0.01 if getattr(self.engine, "dtype", "unknown") == "float32" else 0.25
+        return probe_tolerance_for(getattr(self.engine, "dtype", "unknown"))
 
     # -- choosing a version ----------------------------------------------------------
     def adopt_latest(self, view: ServedJob) -> None:

@@ -107,8 +107,8 @@ class RolloutSettings(CommonSettings):
         None,
         ge=0,
         description="Largest mean per-token |engine - trainer| log-prob difference a version's probe may show. "
-        "Empty: 0.01 when the engine computes in float32 (an fp32 engine and fp32 trainer agree to ~1e-5), "
-        "else 0.25 (the tiny model in bf16: right adapter <= 0.05, wrong one >= 0.28). "
+        "Empty: 0.001 when the engine computes in float32 (an fp32 engine and fp32 trainer agree to ~1e-5; "
+        "one optimizer step of the SmolLM2 demo moves the probe by ~0.006), else 0.25 (the tiny model in bf16: right adapter <= 0.05, wrong one >= 0.28). "
         "Quantized engines (GPTQ/AWQ) differ more: measure and set it.",
     )
     require_probe: bool = Field(True, description="Refuse versions whose manifest carries no log-prob probe.")
