@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.cli.launch import free_port, terminate
-from tests.support.servers import _wait_port
+from tests.support.servers import _wait_port, spawn_redis
 from tests.support.waits import Deadline
 
 
@@ -87,37 +87,12 @@ class RedisCluster:
         self.wait_ok()
 
     def _spawn(self, node: ClusterNode) -> None:
-        exe = shutil.which("redis-server")
-        assert exe, "redis-server must be installed (make install does it)"
-        node.proc = subprocess.Popen(
-            [
-                exe,
-                "--port",
-                str(node.port),
-                "--bind",
-                "127.0.0.1",
-                "--dir",
-                str(node.dir),
-                "--cluster-enabled",
-                "yes",
-                "--cluster-config-file",
-                "nodes.conf",
-                "--cluster-port",
-                str(node.bus_port),
-                "--cluster-node-timeout",
-                "1000",
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "everysec",
-                "--save",
-                "",
-                "--maxmemory-policy",
-                "noeviction",
-            ],  # fmt: skip
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
+        node.proc = spawn_redis(
+            node.port,
+            node.dir,
+            *("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"),
+            *("--cluster-port", str(node.bus_port), "--cluster-node-timeout", "1000"),
+            *("--maxmemory-policy", "noeviction"),
         )
 
     def restart(self, node: ClusterNode) -> None:

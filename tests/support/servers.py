@@ -23,6 +23,18 @@ def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 20
         time.sleep(0.1)
 
 
+def spawn_redis(port: int, data_dir: Path, *args: str) -> subprocess.Popen:
+    """A redis-server on loopback `port` in its own session (stopped by pid), AOF everysec in
+    `data_dir`, no RDB snapshots; `args` add or override settings."""
+    exe = shutil.which("redis-server")
+    assert exe, "redis-server must be installed (make install does it)"
+    settings = ["--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir)]
+    settings += ["--appendonly", "yes", "--appendfsync", "everysec", "--save", ""]
+    return subprocess.Popen(
+        [exe, *settings, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+
+
 class RedisServer:
     """A redis-server we own (AOF everysec), restartable on the same port and data."""
 
@@ -34,30 +46,7 @@ class RedisServer:
         self.url = f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        exe = shutil.which("redis-server")
-        assert exe, "redis-server must be installed (make install does it)"
-        self.proc = subprocess.Popen(
-            [
-                exe,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--dir",
-                str(self.dir),
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "everysec",
-                "--maxmemory-policy",
-                self.policy,
-                "--save",
-                "",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        self.proc = spawn_redis(self.port, self.dir, "--maxmemory-policy", self.policy)
         _wait_port(self.port, self.proc, "redis-server")
 
     def kill(self) -> None:
