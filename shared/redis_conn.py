@@ -59,7 +59,8 @@ def refusal(e: BaseException) -> str | None:
     return None
 
 
-_TIMEOUTS: dict[str, Any] = {
+# Every client's options: bytes replies, and timeouts so a dead server is an error, not a hang.
+_OPTIONS: dict[str, Any] = {
     "decode_responses": False,
     "socket_timeout": 10.0,
     "socket_connect_timeout": 3.0,
@@ -77,9 +78,9 @@ def connect(url: str) -> redis.Redis:
     single Redis raises RedisPolicyError."""
     cluster = cluster_url(url)
     if cluster is None:
-        return redis.Redis.from_url(url, **_TIMEOUTS)
+        return redis.Redis.from_url(url, **_OPTIONS)
     try:
-        return redis.cluster.RedisCluster.from_url(cluster, **_TIMEOUTS)  # type: ignore[return-value]
+        return redis.cluster.RedisCluster.from_url(cluster, **_OPTIONS)  # type: ignore[return-value]
     except redis.RedisClusterException as e:
         if "cluster mode is not enabled" in str(e).lower() or "cluster_enabled" in str(e).lower():
             raise RedisPolicyError(_mismatch(expects_cluster=True)) from None
@@ -106,7 +107,7 @@ def connect_async(url: str, *, longest_block_s: float) -> redis.asyncio.Redis:
     import redis.asyncio
     import redis.asyncio.cluster
 
-    options = {**_TIMEOUTS, "socket_timeout": longest_block_s + 10.0}
+    options = {**_OPTIONS, "socket_timeout": longest_block_s + 10.0}
     cluster = cluster_url(url)
     if cluster is not None:  # dials on its first command (the sync client checked the mode at start)
         options.pop("retry_on_timeout")  # not a setting of the asyncio cluster client (it retries by `retry`)

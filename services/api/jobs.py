@@ -257,8 +257,8 @@ def delete_job(
     # The record is gone, so no stage serves the job again: its keys go now. A crash in between leaves
     # keys no record names (the id stays taken: its creation mark is one of them).
     found = list(r.scan_iter(match=keys.job_key_pattern(job_id), count=500))
-    for key in found:
-        r.delete(key)
+    if found:  # one command: a job's keys share one hash tag, so one Cluster slot
+        r.delete(*found)
     purged = 0
     if store is not None and purge_store:
         mark = f"{store_prefix(job_id)}{recovery.DELETED_FILE}"
