@@ -163,7 +163,7 @@ class JobTrainer:
                         dt,
                         why,
                     )
-                entries = self.src.read(need, first)
+                entries = self._read(need, first)
                 first = False
                 self._admit(entries)
                 if len(self.pending) < spec.batch_size:
@@ -311,6 +311,16 @@ class JobTrainer:
         acknowledged ("" when it can): shared/backlog.py, `held_back`."""
         led = read_ledger(self.r, self.rec.id)
         return held_back(self.r, self.rec, led, trained_unacked=len(self.since_ckpt))
+
+    def _read(self, need: int, first: bool) -> list[Ref]:
+        try:
+            return self.src.read(need, first)
+        except redis.ResponseError:
+            # Redis answers a read blocked on a stream that vanished (FLUSHALL, a deleted job) with
+            # "UNBLOCKED the stream key no longer exists": when the lease went with it, that is a
+            # lost lease (said why, nothing more written), not the job's failure.
+            self._assert_lease()
+            raise
 
     def _ack(self, entries: list[Ref], counter: str) -> None:
         """Acknowledge with one ledger count each, as the lease holder (raises LeaseLost if not)."""

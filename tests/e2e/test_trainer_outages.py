@@ -115,7 +115,9 @@ def test_a_flushall_mid_job_is_loud_writes_nothing_and_recovers_clean(r, tmp_pat
         def two_steps() -> bool:
             return read_ledger(r, job_id).get("trained", 0) >= 2 * BATCH
 
-        sample_until(r, job_id, G, two_steps, 240, "two steps", launcher)
+        # Exactly two steps' groups: the trainer then waits mid-job, holding its lease, when
+        # Redis is flushed (an unbounded sampler let it finish all 12 steps first, in CI).
+        sample_until(r, job_id, G, two_steps, 240, "two steps", launcher, limit=2 * BATCH)
         r.flushall()  # Redis loses everything mid-job; the store keeps the job and its checkpoints
 
         log = Path(launcher.procs()["trainer"].log)

@@ -24,18 +24,24 @@ from tests.support.stack import wait_for
 
 class Sampler(threading.Thread):
     """Prompts of `job_id` become ready groups of `g` completions (rewards with spread), each
-    sampled at the policy pointer's version, settled with the stages' ledger counters."""
+    sampled at the policy pointer's version, settled with the stages' ledger counters. With
+    `limit`, it makes that many groups and no more: the trainer then waits mid-job, however fast
+    it trains (a test polling for "N steps done" would otherwise find the job already over)."""
 
-    def __init__(self, r: redis.Redis, job_id: str, *, g: int) -> None:
+    def __init__(self, r: redis.Redis, job_id: str, *, g: int, limit: int | None = None) -> None:
         super().__init__(name=f"sampler-{job_id}", daemon=True)
-        self.r, self.job_id, self.g = r, job_id, g
+        self.r, self.job_id, self.g, self.limit = r, job_id, g, limit
         self.stop = threading.Event()
         self.made = 0
 
     def run(self) -> None:
         bus = Bus(self.r, keys.GROUP_ROLLOUT, "sampler")
         while not self.stop.is_set():
-            entries = bus.read([keys.prompts(self.job_id)], count=64, block_ms=100)
+            count = 64 if self.limit is None else min(64, self.limit - self.made)
+            if count <= 0:
+                self.stop.wait(0.1)
+                continue
+            entries = bus.read([keys.prompts(self.job_id)], count=count, block_ms=100)
             version = read_pointer(self.r, self.job_id)
             units = []
             for e, msg in bus.decode(entries, PromptMsg):
@@ -69,10 +75,19 @@ def stop_all(*threads: Sampler | FeedLoop) -> None:
 
 
 def sample_until(  # noqa: ANN001 (launcher: tests.support.launched's, for its logs on a timeout)
-    r: redis.Redis, job_id: str, g: int, pred: Callable[[], object], timeout: float, what: str, launcher=None
+    r: redis.Redis,
+    job_id: str,
+    g: int,
+    pred: Callable[[], object],
+    timeout: float,
+    what: str,
+    launcher=None,
+    *,
+    limit: int | None = None,
 ) -> None:
-    """A Sampler serves `job_id` until `pred()` holds (at most `timeout` s), then stops."""
-    sampler = Sampler(r, job_id, g=g)
+    """A Sampler (making at most `limit` groups) serves `job_id` until `pred()` holds (at most
+    `timeout` s), then stops."""
+    sampler = Sampler(r, job_id, g=g, limit=limit)
     sampler.start()
     try:
         wait_for(pred, timeout, what, launcher)
