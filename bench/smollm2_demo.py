@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -146,7 +148,15 @@ def main() -> None:
     ap.add_argument(
         "--from-json", type=Path, default=None, help="write the page again from a run's results JSON (runs nothing)"
     )
+    ap.add_argument(
+        "--versions",
+        type=Path,
+        default=None,
+        help="keep every policy version (trainer retention off) and copy them here (bench/smollm2_lag.py reads them)",
+    )
     args = ap.parse_args()
+    if args.versions:
+        os.environ["BURSTRL_TRAINER_KEEP_VERSIONS"] = "0"  # the services inherit it: 0 keeps every version
     if args.from_json:
         data = json.loads(args.from_json.read_text())
         text, figs = page(data["status"], data["probe_moves"], data["command"], data["machine"])
@@ -173,6 +183,8 @@ def main() -> None:
             sys.exit(code or 1)
         status = json.loads(save.read_text())
         moves = probe_moves(home / "store", status["job"]["id"])
+        if args.versions:
+            shutil.copytree(home / "store" / "jobs" / status["job"]["id"] / "policy", args.versions, dirs_exist_ok=True)
     command = shown_command(__file__)
     text, figs = page(status, moves, command, machine())
     emit(text, args.out, {"status": status, "probe_moves": moves}, figures=figs, command=command)

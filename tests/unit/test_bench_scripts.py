@@ -253,3 +253,35 @@ def test_run_all_collect_only_writes_the_index_from_the_results_as_they_are(tmp_
     text = (tmp_path / "index.md").read_text()
     assert "| bus / raw | 0.9 |  | **0.90x** |  | [bus](bus.md) |" in text
     assert "Collected without running anything" in text
+
+
+def test_smollm2_lag_stats_are_nothing_on_policy_and_grow_off_it():
+    """bench/smollm2_lag.py: the trainer's own statistics of a batch; a lag of 0 is exactly on
+    policy, and log-ratios of spread 1 (M2 ~ 1, 25x M2PO's tau) show in every column."""
+    import torch
+
+    from bench.smollm2_lag import lag_stats
+
+    g = torch.Generator().manual_seed(0)
+    behav = -3.0 * torch.rand(8, 12, generator=g)
+    mask = torch.ones(8, 12)
+    mask[:, 10:] = 0.0
+    same = lag_stats(behav.clone(), behav, mask)
+    assert same["m2"] == 0.0 and same["tis_frac"] == 0.0 and same["m2po_frac"] == 0.0
+    assert same["ess_raw"] == pytest.approx(1.0)
+    far = lag_stats(behav + torch.randn(8, 12, generator=g), behav, mask)
+    assert far["m2"] > 0.5 and far["m2po_frac"] > 0.5 and far["tis_frac"] > 0.05 and far["ess_raw"] < 0.9
+
+
+def test_smollm2_lag_max_lag_stops_at_the_first_lag_that_masks_too_much():
+    from bench.smollm2_lag import MASK_LIMIT, max_lag
+
+    rows = [
+        {"lag": 1, "m2po_frac": 0.0},
+        {"lag": 1, "m2po_frac": 0.01},
+        {"lag": 4, "m2po_frac": MASK_LIMIT},  # at the limit still passes
+        {"lag": 8, "m2po_frac": 0.2},
+        {"lag": 16, "m2po_frac": 0.0},  # beyond a failure: not taken
+    ]
+    assert max_lag(rows) == 4
+    assert max_lag([{"lag": 1, "m2po_frac": 0.5}]) == 0
