@@ -63,21 +63,25 @@ def load_model() -> tuple[Any, Any, Any]:
 
 
 def set_version(model: Any, versions: Path, v: int) -> None:
-    """Version v's adapter into the model; v0 is the base model (LoRA B = 0) unless stored."""
+    """Version v's adapter into the model (the manifest names its data folder); v0, never
+    published, is the base model (LoRA B = 0)."""
+    import json
+
     import torch
 
     from services.trainer.policy import ADAPTER_WEIGHTS, load_adapter_weights
 
-    f = versions / f"v{v}" / ADAPTER_WEIGHTS
-    if f.exists():
-        load_adapter_weights(model, f.read_bytes())
+    manifest = versions / f"v{v}" / "manifest.json"
+    if manifest.exists():
+        data_dir = json.loads(manifest.read_text())["data_dir"]
+        load_adapter_weights(model, (versions / f"v{v}" / data_dir / ADAPTER_WEIGHTS).read_bytes())
     elif v == 0:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "lora_B" in name:
                     p.zero_()
     else:
-        raise FileNotFoundError(f"{f}: version {v} is not in {versions} (run the demo with --versions)")
+        raise FileNotFoundError(f"{manifest}: version {v} is not in {versions} (run the demo with --versions)")
 
 
 def prompts(tok: Any, spec: Any, n: int) -> list[list[int]]:
@@ -160,7 +164,7 @@ def lag_stats(cur: Any, behav: Any, mask: Any) -> dict[str, float]:
     for mode, key in (("token_truncate", "tis"), ("m2po", "m2po")):
         c = mismatch_correction(cur, behav, mask, mode=mode, cap=TIS_CAP, m2po_tau=M2PO_TAU)
         st = finish(mismatch_stats(cur, behav, mask, c.weight, c.truncated, c.masked))
-        out["m2"], out["ess_raw"], out["kl"] = st["m2"], st["ess_raw"], -st["mismatch_kl"]
+        out["m2"], out["ess_raw"], out["kl"] = st["m2"], st["ess_raw"], st["mismatch_kl"]
         out[f"{key}_frac"], out[f"{key}_ess"] = st["is_frac"], st["ess"]
     return out
 
