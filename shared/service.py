@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import redis
 import uvicorn
@@ -131,6 +131,7 @@ class ServiceRuntime:
         self.gauges: dict[str, Any] = {}  # extra fields for the heartbeat (e.g. versions)
         self.errors = Counter("burstrl_errors", "Errors survived by the worker loop", ["kind"], registry=self.registry)
         self.up = Gauge("burstrl_ready", "1 when /readyz is ok", registry=self.registry)
+        self._threads: list[threading.Thread] = []  # the HTTP server's and the heartbeat's, once started
         try:
             self.redis = connect(settings.redis_url)
         except RedisPolicyError as e:  # REDIS_URL names a cluster, the server is one Redis
@@ -206,8 +207,12 @@ class ServiceRuntime:
         raise_open_files(self.settings.http_max_connections + FILES_BESIDE_CONNECTIONS)
         config = server_config(self.app, self.settings, host=self.settings.host, port=self.port)
         self._server = uvicorn.Server(config)
-        threading.Thread(target=self._server.run, name="http", daemon=True).start()
-        threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+        self._threads = [
+            threading.Thread(target=self._server.run, name="http", daemon=True),
+            threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
         log.info("%s listening on http://%s:%d", self.role, self.settings.host, self.port)
 
     def shutdown(self) -> None:
@@ -255,8 +260,7 @@ class ServiceRuntime:
                 break
             except redis.ConnectionError as e:
                 if why := refusal(e):
-                    log.critical("%s", why)
-                    raise SystemExit(2) from e
+                    self._refuse(why, e)
                 self.health.set("redis", False, f"unreachable: {e}")
                 self.stop.wait(delay)
                 delay = min(10.0, delay * 2)
@@ -264,10 +268,19 @@ class ServiceRuntime:
             for w in check_server(self.redis):
                 log.warning("%s", w)
         except RedisPolicyError as e:
-            log.critical("%s", e)
-            raise SystemExit(2) from e
+            self._refuse(str(e), e)
         log.info("redis: dataset %s", self.dataset.attach())
         self.health.set("redis", True)
+
+    def _refuse(self, why: str, e: Exception) -> NoReturn:
+        """Exit 2 with the fix in the log, once the HTTP server and the heartbeat have stopped.
+        Raised with them still running, the interpreter's exit raced a live uvicorn thread: a
+        refused service died of SIGSEGV (-11) instead of exiting 2, once in CI."""
+        log.critical("%s", why)
+        self.shutdown()
+        for t in self._threads:
+            t.join(timeout=10)
+        raise SystemExit(2) from e
 
     # -- worker helpers ------------------------------------------------------------
     def stage_bus(self, group: str) -> Bus:

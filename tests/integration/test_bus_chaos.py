@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -149,6 +150,28 @@ def test_trimming_under_a_backlog_loses_nothing(redis_server, r, tmp_path):
     a = audit(r, job)
     assert a.balanced and a.in_flight == 0, a.problems
     assert all(r.xlen(s) == 0 for s in keys.job_streams(job))
+
+
+def test_a_refusal_stops_the_server_and_the_heartbeat_before_it_exits(tmp_path):
+    """Exit 2 only once the runtime's threads have stopped: raised with the uvicorn thread still
+    live, the interpreter's exit raced it and a refused reward service died of SIGSEGV (-11)
+    instead of exiting 2, once in CI (the test below)."""
+    from services.api.settings import ApiSettings
+    from services.cli.launch import free_port
+    from shared.service import ServiceRuntime
+
+    srv = RedisServer(tmp_path, policy="allkeys-lru")
+    srv.start()
+    try:
+        rt = ServiceRuntime("api", ApiSettings(redis_url=srv.url, dev=True, port=free_port()))
+        before = set(threading.enumerate())
+        rt.start()
+        with pytest.raises(SystemExit) as refused:
+            rt.preflight()
+        assert refused.value.code == 2
+        assert sorted(t.name for t in set(threading.enumerate()) - before) == []
+    finally:
+        srv.kill()
 
 
 @pytest.mark.parametrize("policy", ["allkeys-lru", "volatile-ttl"])
