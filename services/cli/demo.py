@@ -85,7 +85,7 @@ DEMO_PYTHON_JOB = {
 #   on rank that way), and RL needs little rank ("LoRA Without Regret": even rank 1 matches full
 #   fine-tuning on RL); 16 is the rollout engine's default max_lora_rank.
 # - G = 8 as the cookbook's reasoning-gym example (gem_rl); 8 groups a step (64 sequences, about a
-#   minute of a CPU optimizer step here) is what fits 2 cores in ~30 minutes, not its 64-128.
+#   minute and a half of a CPU optimizer step here) is what fits 2 cores in ~40 minutes, not its 64-128.
 # - kl_coef 0.001, as the tiny demo: small enough not to hold learning back, and it keeps the ref
 #   service in the loop (a job without KL skips it).
 SMOLLM2_JOB = {
@@ -113,7 +113,7 @@ SMOLLM2_JOB = {
     "eval_size": 64,
     "sampling": {"temperature": 1.0, "max_tokens": 96},
 }
-SMOLLM2_STEPS = 20  # ~30 minutes on 2 cores at load ~5; 42 at load 8-11 (docs/smollm2.md)
+SMOLLM2_STEPS = 20  # ~41 minutes on 2 cores running nothing else (docs/smollm2.md)
 
 # What each `burstrl demo --env` runs: its job, its model (shipped, copied under home/models) and
 # its plot's file name.
