@@ -100,32 +100,37 @@ def prompts(tok: Any, spec: Any, n: int) -> list[list[int]]:
 def sample(
     model: Any, tok: Any, ids: list[list[int]], k: int, max_tokens: int, seed: int
 ) -> list[tuple[list[int], list[int]]]:
-    """(prompt, completion) pairs: k completions per prompt at T=1, each up to and including its EOS.
-    One prompt per generate call, so that no padding shifts positions."""
+    """(prompt, completion) pairs: k completions per prompt at T=1, each up to and including its
+    EOS. One generate call over every prompt, left-padded (generate derives each row's positions
+    from its attention mask); `score` then reads them unpadded."""
     import torch
 
     torch.manual_seed(seed)
-    out = []
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    width = max(len(p) for p in ids)
+    x = torch.tensor([[pad] * (width - len(p)) + p for p in ids])
+    att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids])
     with torch.no_grad():
-        for p in ids:
-            x = torch.tensor([p] * k)
-            y = model.generate(
-                input_ids=x,
-                attention_mask=torch.ones_like(x),
-                do_sample=True,
-                temperature=1.0,
-                top_p=1.0,
-                top_k=0,
-                max_new_tokens=max_tokens,
-                pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
-            )
-            for row in y[:, len(p) :].tolist():
-                comp = []
-                for t in row:
-                    comp.append(t)
-                    if t == tok.eos_token_id:
-                        break
-                out.append((p, comp))
+        y = model.generate(
+            input_ids=x,
+            attention_mask=att,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=max_tokens,
+            num_return_sequences=k,
+            use_cache=True,
+            pad_token_id=pad,
+        )
+    out = []
+    for row, completion in enumerate(y[:, width:].tolist()):
+        comp = []
+        for t in completion:
+            comp.append(t)
+            if t == tok.eos_token_id:
+                break
+        out.append((ids[row // k], comp))  # generate repeats each prompt k times in a row
     return out
 
 
@@ -313,7 +318,13 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="completions per prompt")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads (2 beside any other load made generate ~10x slower)"
+    )
     a = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(a.threads)
     stored = sorted(int(p.name[1:]) for p in a.versions.glob("v*") if p.name[1:].isdigit())
     if not stored:
         sys.exit(f"{a.versions}: no policy versions (run bench/smollm2_demo.py --versions {a.versions})")
