@@ -21,7 +21,7 @@ from services.plan.catalog import Catalog, parse_card_spec
 from services.plan.memory import WEIGHT_BYTES, Method, Workload
 from services.plan.model_shape import BUILTIN_SHAPES, resolve_shape
 from services.plan.placement import LayoutOptions, plan
-from services.plan.pricing import HOURS_PER_WEEK, BurstPattern
+from services.plan.pricing import DEFAULT_MAX_LAG, HOURS_PER_WEEK, BurstPattern
 from services.plan.report import env_text, render, to_json
 from services.plan.roles import Efficiency
 
@@ -72,7 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     cost.add_argument(
         "--teardown-minutes", default="1", help="billable minutes per burst after training (drain wait, exit)"
     )
-    cost.add_argument("--max-lag", default="256", help="staleness limit in policy versions (default 256: M2PO)")
+    cost.add_argument(
+        "--max-lag",
+        default=str(DEFAULT_MAX_LAG),
+        help=f"staleness limit in policy versions (default {DEFAULT_MAX_LAG}: measured on SmolLM2, docs/plan.md)",
+    )
     out = p.add_argument_group("output")
     out.add_argument("--emit", choices=["table", "json", "env"], default="table", help="env: each role's variables")
     out.add_argument("--json", action="store_true", help="same as --emit json")
@@ -144,7 +148,7 @@ def burst_pattern(args: argparse.Namespace) -> BurstPattern:
     teardown = _number("--teardown-minutes", args.teardown_minutes, hint)
     if not 0 <= teardown < hours * 60 - startup:
         raise UsageError(f"--teardown-minutes {args.teardown_minutes}: {hint}")
-    hint = "use policy versions >= 1, e.g. --max-lag 8 (truncated IS) or --max-lag 256 (M2PO)"
+    hint = f"use policy versions >= 1, e.g. --max-lag {DEFAULT_MAX_LAG} (the default) or --max-lag 64"
     lag = int(_number("--max-lag", args.max_lag, hint, integer=True))
     if lag < 1:
         raise UsageError(f"--max-lag {args.max_lag}: {hint}")
