@@ -84,17 +84,15 @@ def set_version(model: Any, versions: Path, v: int) -> None:
         raise FileNotFoundError(f"{manifest}: version {v} is not in {versions} (run the demo with --versions)")
 
 
-def prompts(tok: Any, spec: Any, n: int) -> list[list[int]]:
-    """The job's first n held-out prompts, in chat form, as token ids (what rollout sends vLLM)."""
+def prompts(spec: Any, n: int) -> list[list[int]]:
+    """The job's first n held-out prompts, in chat form, as token ids (rollout's renderer)."""
+    from services.rollout.chat import ChatTemplate
     from shared.domain.tasks.base import task_for_job
 
-    out = []
-    for item in task_for_job(spec).heldout_items(n):
-        text = tok.apply_chat_template(
-            [{"role": "user", "content": item.prompt}], tokenize=False, add_generation_prompt=True
-        )
-        out.append(list(tok.encode(text, add_special_tokens=False)))
-    return out
+    chat = ChatTemplate(spec.base_model)
+    return [
+        chat.first_ids([{"role": "user", "content": it.prompt}], None) for it in task_for_job(spec).heldout_items(n)
+    ]
 
 
 def sample(
@@ -169,16 +167,16 @@ def lag_stats(cur: Any, behav: Any, mask: Any) -> dict[str, float]:
     for mode, key in (("token_truncate", "tis"), ("m2po", "m2po")):
         c = mismatch_correction(cur, behav, mask, mode=mode, cap=TIS_CAP, m2po_tau=M2PO_TAU)
         st = finish(mismatch_stats(cur, behav, mask, c.weight, c.truncated, c.masked))
-        out["m2"], out["ess_raw"], out["kl"] = st["m2"], st["ess_raw"], st["mismatch_kl"]
         out[f"{key}_frac"], out[f"{key}_ess"] = st["is_frac"], st["ess"]
-    return out
+    # The raw columns do not depend on the correction: the last pass's.
+    return out | {"m2": st["m2"], "ess_raw": st["ess_raw"], "kl": st["mismatch_kl"]}
 
 
 def measure(versions: Path, currents: list[int], lags: list[int], n_prompts: int, k: int, seed: int) -> list[dict]:
     from tqdm import tqdm
 
     model, tok, spec = load_model()
-    ids = prompts(tok, spec, n_prompts)
+    ids = prompts(spec, n_prompts)
     pairs = [(c, lag) for c in currents for lag in lags if c - lag >= 0]
     rows = []
     for behav_v in tqdm(sorted({c - lag for c, lag in pairs}), desc="behaviour versions"):
