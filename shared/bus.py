@@ -37,7 +37,7 @@ import redis
 from redis.commands.core import Script
 
 from shared import keys
-from shared.bus_scripts import ACK_LUA, FENCED_ACK_LUA, INJECT_LUA, LEAVE_LUA, SETTLE_LUA, SPILL_LUA, TRIM_LUA
+from shared.bus_scripts import ACK_LUA, FEED_LUA, FENCED_ACK_LUA, INJECT_LUA, LEAVE_LUA, SETTLE_LUA, SPILL_LUA, TRIM_LUA
 from shared.lease import Fence, LeaseLost
 from shared.redis_conn import is_cluster
 from shared.schema import DeadLetter, Message, decode, encode_dead
@@ -537,11 +537,16 @@ class Bus:
         self.forward([e], [(keys.dead_letter(e.job_id), encode_dead(d))], {e.job_id: {"dead": 1}})
 
 
-def append(pipe: redis.client.Pipeline, stream: str, data: bytes) -> None:
-    """Queue one new entry on `stream` inside the caller's MULTI (the api's feeder: prompts and the
-    ledger's `fed` count commit together). The one place outside the scripts that writes an entry,
-    so the entry layout (one field, FIELD, holding the message) lives here."""
-    pipe.xadd(stream, {FIELD: data})
+def feed(r: redis.Redis, job_id: str, fed: int, payloads: list[bytes]) -> bool:
+    """Append `payloads` to the job's prompt stream and count them fed, in one script, only if
+    the ledger's `fed` is still `fed` (what the caller read). False: refused, nothing written:
+    the ledger is gone (Redis lost the job after the caller read it; the api's recovery puts it
+    back from the store) or another feeder moved it. The one place outside the scripts that
+    writes a new entry, so the entry layout (one field, FIELD, holding the message) lives here."""
+    if not payloads:
+        return False
+    got = r.eval(FEED_LUA, 2, keys.ledger(job_id), keys.prompts(job_id), FIELD, fed, *payloads)
+    return int(got) == len(payloads)
 
 
 def inject(

@@ -8,7 +8,8 @@ bus's Python reads in one sitting.
 - SPILL_LUA: move entries from the ready stream into an indexed backlog segment, all or nothing;
 - TRIM_LUA: delete what every consumer group has acknowledged;
 - LEAVE_LUA: a consumer leaving its group for good hands its pending entries to a live peer.
-- INJECT_LUA: put a group that no upstream entry carries (an agent's) on the bus, once.
+- INJECT_LUA: put a group that no upstream entry carries (an agent's) on the bus, once;
+- FEED_LUA: append a job's new prompts and count them fed, only from the position read.
 """
 
 from __future__ import annotations
@@ -162,4 +163,19 @@ for _ = 1, tonumber(ARGV[i]) do
   i = i + 2
 end
 return 1
+"""
+
+
+# The feeder's append: new prompts and their `fed` count, only if the ledger still says `fed`
+# is what the feeder read. A ledger that is gone (Redis flushed or lost the job between the
+# read and this write) or moved (another feeder fed first) refuses the whole batch, so no
+# feeder writes into a Redis that no longer holds the job, and none feeds a position twice.
+# KEYS: ledger, prompts stream. ARGV: field, expected fed, then one payload per prompt.
+# Returns the prompts appended (0: refused).
+FEED_LUA = """
+local fed = redis.call('HGET', KEYS[1], 'fed')
+if not fed or fed ~= ARGV[2] then return 0 end
+for j = 3, #ARGV do redis.call('XADD', KEYS[2], '*', ARGV[1], ARGV[j]) end
+redis.call('HINCRBY', KEYS[1], 'fed', #ARGV - 2)
+return #ARGV - 2
 """

@@ -66,8 +66,8 @@ def init_ledger(pipe: redis.client.Pipeline, job_id: str, settled: int = 0) -> N
 
 
 def count(r: redis.Redis | redis.client.Pipeline, job_id: str, counter: str, n: int = 1) -> None:
-    """`counter += n` outside the bus's scripts: the feeder's `fed`, queued in the transaction that
-    appends the prompts, and the trainer's `segments_refused`, a tally no entry moves with."""
+    """`counter += n` outside the bus's scripts: the trainer's `segments_refused`, a tally no entry
+    moves with (the feeder's `fed` moves with its prompts, in shared/bus.py's `feed`)."""
     r.hincrby(keys.ledger(job_id), counter, n)
 
 

@@ -19,10 +19,9 @@ import redis
 
 from shared import keys
 from shared.backlog import budget_problem, feed_room
-from shared.bus import append, trim_job
+from shared.bus import feed, trim_job
 from shared.domain.tasks import TaskItem, task_for_job
 from shared.job import JobRecord, JobState, UnreadableJob, load_job, set_state, update_job
-from shared.ledger import count
 from shared.metrics import read_evals, read_ledger
 from shared.policy import read_pointer
 from shared.schema import PromptMsg, encode
@@ -115,27 +114,30 @@ class Feeder:
             return 0
         fed = led.get("fed", 0)
         it = self._items(rec, fed)
-        pipe = self.r.pipeline(transaction=True)
-        n = 0
-        for item in itertools.islice(it, room):
-            msg = PromptMsg(
-                job_id=rec.id,
-                group_id=f"{rec.id}:g{fed + n}",
-                item_id=item.item_id,
-                prompt=item.prompt,
-                fields=item.fields,
-                fed_at=time.time(),
+        payloads = [
+            encode(
+                PromptMsg(
+                    job_id=rec.id,
+                    group_id=f"{rec.id}:g{fed + n}",
+                    item_id=item.item_id,
+                    prompt=item.prompt,
+                    fields=item.fields,
+                    fed_at=time.time(),
+                )
             )
-            append(pipe, keys.prompts(rec.id), encode(msg))
-            n += 1
-        if n == 0:
+            for n, item in enumerate(itertools.islice(it, room))
+        ]
+        if not payloads:
             return 0  # a finite prompt source ran out
-        # Count what was actually fed, in the same MULTI/EXEC as the prompts, so the
-        # durable position (`fed`) always equals the prompts in the stream.
-        count(pipe, rec.id, "fed", n)
-        pipe.execute()
-        self._iters[rec.id] = (fed + n, it)
-        return n
+        # The prompts and the ledger's `fed` commit together, and only from the `fed` read above,
+        # so the durable position always equals the prompts in the stream, and a Redis flushed
+        # since that read gets nothing of the job back from a feeder (the api recovers it).
+        if not feed(self.r, rec.id, fed, payloads):
+            log.warning("job %s: not fed: its ledger is gone or moved since it was read (fed %d)", rec.id, fed)
+            self._iters.pop(rec.id, None)  # the position is unknown: read it again next tick
+            return 0
+        self._iters[rec.id] = (fed + len(payloads), it)
+        return len(payloads)
 
     def _budget_holds(self, rec: JobRecord) -> bool:
         """A backlog budget the store cannot hold fails the job at once, with the reason naming

@@ -15,6 +15,7 @@ from services.api.jobs import create_job
 from shared import keys
 from shared.bus import FIELD, Bus
 from shared.job import JobSpec
+from shared.ledger import init_ledger
 from shared.schema import PromptMsg, decode
 
 ROWS = 7
@@ -62,6 +63,9 @@ def test_feeding_resumes_exactly_across_restarts_and_epoch_boundaries(r, tmp_pat
     for k in keys.job_streams(job_id):
         r.delete(k)
     r.delete(keys.ledger(job_id))
+    pipe = r.pipeline(transaction=True)
+    init_ledger(pipe, job_id)  # as at creation: a feeder never feeds a job without its ledger
+    pipe.execute()
     Bus.ensure_groups(r, job_id)
     restarted: list[str] = []
     while len(restarted) < 4 * ROWS:

@@ -15,10 +15,10 @@ import redis
 
 from services.api import jobs
 from shared import keys
-from shared.bus import FIELD, Bus
+from shared.bus import FIELD, Bus, feed
 from shared.dataset import DatasetGuard, new_dataset
 from shared.job import JobSpec, load_job
-from shared.ledger import audit, count
+from shared.ledger import audit, init_ledger
 from shared.redis_conn import RedisPolicyError, check_server, connect
 from shared.slots import by_slot
 from tests.support.redis_cluster import RedisCluster
@@ -41,10 +41,9 @@ def _jobs_on_two_masters(r: redis.Redis, cluster: RedisCluster) -> tuple[str, st
 def _feed(r: redis.Redis, job: str, n: int) -> None:
     Bus.ensure_groups(r, job)
     pipe = r.pipeline(transaction=True)  # one job: one slot, so one MULTI
-    for i in range(n):
-        pipe.xadd(keys.prompts(job), {FIELD: f"{job}-p{i}".encode()})
-    count(pipe, job, "fed", n)
+    init_ledger(pipe, job)
     pipe.execute()
+    assert feed(r, job, 0, [f"{job}-p{i}".encode() for i in range(n)])  # the feeder's script, on its slot
 
 
 def test_jobs_on_different_masters_are_read_settled_and_audited_together(rc, redis_cluster):
