@@ -39,6 +39,7 @@ from redis.commands.core import Script
 from shared import keys
 from shared.bus_scripts import ACK_LUA, FEED_LUA, FENCED_ACK_LUA, INJECT_LUA, LEAVE_LUA, SETTLE_LUA, SPILL_LUA, TRIM_LUA
 from shared.lease import Fence, LeaseLost
+from shared.ledger import UnknownJob
 from shared.redis_conn import is_cluster
 from shared.schema import DeadLetter, Message, decode, encode_dead
 from shared.slots import read_streams
@@ -561,7 +562,8 @@ def inject(
     """Hand on a group no stream entry carried here (an agent group): XADD `outputs` and bump
     `counters`, only if `group_id` has no outcome yet in the job's agent_groups hash, which
     records `outcome` in the same script. True: done now; False: it was done before, so a
-    retried close (or a close racing a deadline) never counts a group twice."""
+    retried close (or a close racing a deadline) never counts a group twice. Raises UnknownJob,
+    writing nothing, when the job's ledger is gone (Redis lost its data since the group opened)."""
     for stream, _ in outputs:
         if keys.job_of_stream(stream) != job_id:
             raise ValueError(f"inject() for job {job_id} got an output stream of another job: {stream}")
@@ -571,6 +573,10 @@ def inject(
     got = r.eval(
         INJECT_LUA, 2 + len(outputs), keys.agent_groups(job_id), keys.ledger(job_id), *[s for s, _ in outputs], *args
     )
+    if int(got) < 0:
+        raise UnknownJob(
+            f"no ledger for job {job_id!r} in this Redis (Redis lost its data?): group {group_id} not put on"
+        )
     return bool(int(got))
 
 

@@ -152,8 +152,10 @@ return {handed, #left, 0}
 # A group born outside the streams (an agent group, docs/agents.md) enters the ledger once.
 # KEYS: the job's agent_groups hash, ledger, then the output streams. ARGV: field, group id,
 # outcome, n_outputs, payloads..., n_counters, (name, n)... Returns 1 if done now; 0 if the
-# group id already has an outcome (nothing added or counted).
+# group id already has an outcome (nothing added or counted); -1 if the job's ledger is gone
+# (Redis lost the job: nothing written, so a recovered job starts from a clean slate).
 INJECT_LUA = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
 if redis.call('HSETNX', KEYS[1], ARGV[2], ARGV[3]) == 0 then return 0 end
 local nout = tonumber(ARGV[4])
 for j = 1, nout do redis.call('XADD', KEYS[2 + j], '*', ARGV[1], ARGV[4 + j]) end

@@ -50,6 +50,7 @@ from shared import keys
 from shared.backlog import feed_room
 from shared.bus import inject
 from shared.job import JobState
+from shared.ledger import UnknownJob
 from shared.limits import AGENT_OPEN_EPISODES_MAX
 from shared.metrics import read_ledger, record_point
 from shared.schema import GroupMsg, encode, pack_i32
@@ -360,30 +361,34 @@ class AgentServer:
         self._leave(g, f"dropped_{reason}", [], {"fed": 1, f"dropped_{reason}": 1})
 
     def _leave(self, g: AgentGroup, outcome: str, outputs: list[tuple[str, bytes]], counters: dict[str, int]) -> None:
-        if inject(self.rt.redis, g.job_id, g.id, outputs, counters, outcome=outcome):
-            g.ended = outcome
-            if outcome == "bus" and any(e.closed == "reward" for e in g.episodes):
-                rewards = [sum(e.reward_parts.values()) for e in g.episodes]
-                record_point(
-                    self.rt.redis,
-                    g.job_id,
-                    "reward",
-                    {
-                        "groups": 1,
-                        "completions": len(rewards),
-                        "reward_mean": sum(rewards) / len(rewards),
-                        "agent": True,
-                    },
-                )
-        else:  # a close raced the deadline (or a retry): the first outcome stands, counted once
-            got = self.rt.redis.hget(keys.agent_groups(g.job_id), g.id)
-            g.ended = got.decode() if isinstance(got, bytes) else str(got or "left")
-            log.warning("agent group %s had left already (%s); not counted again", g.id, g.ended)
+        try:
+            done = inject(self.rt.redis, g.job_id, g.id, outputs, counters, outcome=outcome)
+        except UnknownJob as e:  # Redis lost the job since the group opened: the api's recovery redoes it
+            log.error("%s; the group is dropped here, nothing written", e)
+            g.ended = outcome = "job_lost"
+        else:
+            if done:
+                g.ended = outcome
+                self._record_reward(g, outcome)
+            else:  # a close raced the deadline (or a retry): the first outcome stands, counted once
+                got = self.rt.redis.hget(keys.agent_groups(g.job_id), g.id)
+                g.ended = got.decode() if isinstance(got, bytes) else str(got or "left")
+                log.warning("agent group %s had left already (%s); not counted again", g.id, g.ended)
         with self.lock:
             for e in g.episodes:
                 self.episodes.pop(e.id, None)
         self.m_groups.labels(outcome).inc()
         log.info("job %s: agent group %s -> %s", g.job_id, g.id, outcome)
+
+    def _record_reward(self, g: AgentGroup, outcome: str) -> None:
+        if outcome == "bus" and any(e.closed == "reward" for e in g.episodes):
+            rewards = [sum(e.reward_parts.values()) for e in g.episodes]
+            record_point(
+                self.rt.redis,
+                g.job_id,
+                "reward",
+                {"groups": 1, "completions": len(rewards), "reward_mean": sum(rewards) / len(rewards), "agent": True},
+            )
 
     # -- worker side ---------------------------------------------------------------
     def step(self) -> None:

@@ -15,7 +15,7 @@ from services.rollout.chat import ChatTemplate, HistoryMismatch, check_extends, 
 from shared import keys
 from shared.bus import inject
 from shared.job import JobSpec
-from shared.ledger import audit
+from shared.ledger import UnknownJob, audit
 from shared.schema import GroupMsg, decode, unpack_i32, unpack_u8
 from tests.support.agents import CALC
 
@@ -114,6 +114,13 @@ def test_inject_counts_a_group_once(r) -> None:  # noqa: ANN001 - the conftest f
     assert a.counters["fed"] == 2 and a.counters["dropped_agent_deadline"] == 1 and a.in_streams["ready"] == 1
     with pytest.raises(ValueError, match="another job"):
         inject(r, job, "g3", [(keys.ready("other-000001"), b"z")], {"fed": 1}, outcome="bus")
+
+
+def test_inject_into_a_redis_that_lost_the_job_writes_nothing(r) -> None:  # noqa: ANN001
+    job = "inj-000002"  # its group opened before Redis lost everything: no ledger now
+    with pytest.raises(UnknownJob, match="no ledger"):
+        inject(r, job, "g1", [(keys.ready(job), b"x")], {"fed": 1, "produced": 1}, outcome="bus")
+    assert list(r.scan_iter(match=keys.job_key_pattern(job))) == []
 
 
 # -- the agent server with a scripted engine: a Hermes tool call, turns batched together -----
@@ -264,3 +271,13 @@ def test_open_groups_stay_within_the_in_flight_window(tpl: ChatTemplate, r) -> N
     with pytest.raises(AgentError, match="in-flight window") as full:
         srv.open_group(rec.id, {})
     assert full.value.status == 429
+
+
+def test_a_group_whose_job_redis_lost_is_dropped_here_and_writes_nothing(tpl: ChatTemplate, r) -> None:  # noqa: ANN001
+    srv, rec = scripted_server(r, ScriptedEngine(tpl, []), "lost-000001")
+    g = srv.open_group(rec.id, {})
+    r.flushall()  # Redis loses everything while the group is open
+    g.deadline_at = 0.0  # its deadline passes: the worker drops it
+    srv.step()  # raised UnknownJob out of the rollout loop before
+    assert g.ended == "job_lost" and not any(e.id in srv.episodes for e in g.episodes)
+    assert list(r.scan_iter(match=keys.job_key_pattern(rec.id))) == []
