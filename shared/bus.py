@@ -542,8 +542,8 @@ def feed(r: redis.Redis, job_id: str, fed: int, payloads: list[bytes]) -> bool:
     """Append `payloads` to the job's prompt stream and count them fed, in one script, only if
     the ledger's `fed` is still `fed` (what the caller read). False: refused, nothing written:
     the ledger is gone (Redis lost the job after the caller read it; the api's recovery puts it
-    back from the store) or another feeder moved it. The one place outside the scripts that
-    writes a new entry, so the entry layout (one field, FIELD, holding the message) lives here."""
+    back from the store) or another feeder moved it. Entries keep the bus's layout: one field,
+    FIELD, holding the message."""
     if not payloads:
         return False
     got = r.eval(FEED_LUA, 2, keys.ledger(job_id), keys.prompts(job_id), FIELD, fed, *payloads)

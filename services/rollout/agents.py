@@ -381,6 +381,7 @@ class AgentServer:
         log.info("job %s: agent group %s -> %s", g.job_id, g.id, outcome)
 
     def _record_reward(self, g: AgentGroup, outcome: str) -> None:
+        """A rewarded group that entered the bus: its rewards as the reward stage's metrics point."""
         if outcome == "bus" and any(e.closed == "reward" for e in g.episodes):
             rewards = [sum(e.reward_parts.values()) for e in g.episodes]
             record_point(
