@@ -538,16 +538,18 @@ class Bus:
         self.forward([e], [(keys.dead_letter(e.job_id), encode_dead(d))], {e.job_id: {"dead": 1}})
 
 
-def feed(r: redis.Redis, job_id: str, fed: int, payloads: list[bytes]) -> bool:
+def feed(r: redis.Redis, job_id: str, fed: int, payloads: list[bytes]) -> int:
     """Append `payloads` to the job's prompt stream and count them fed, in one script, only if
-    the ledger's `fed` is still `fed` (what the caller read). False: refused, nothing written:
-    the ledger is gone (Redis lost the job after the caller read it; the api's recovery puts it
-    back from the store) or another feeder moved it. Entries keep the bus's layout: one field,
-    FIELD, holding the message."""
+    the ledger's `fed` is still `fed` (what the caller read). Returns how many were appended: all,
+    or 0 when another feeder moved `fed` first (nothing written). Raises UnknownJob, writing
+    nothing, when the ledger is gone: Redis lost the job after the caller read it (the api's
+    recovery puts it back from the store). Entries keep the bus's layout: one field, FIELD."""
     if not payloads:
-        return False
-    got = r.eval(FEED_LUA, 2, keys.ledger(job_id), keys.prompts(job_id), FIELD, fed, *payloads)
-    return int(got) == len(payloads)
+        return 0
+    got = int(r.eval(FEED_LUA, 2, keys.ledger(job_id), keys.prompts(job_id), FIELD, fed, *payloads))
+    if got < 0:
+        raise UnknownJob(f"no ledger for job {job_id!r} in this Redis (Redis lost its data?): nothing fed")
+    return got
 
 
 def inject(

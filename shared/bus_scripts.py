@@ -173,10 +173,11 @@ return 1
 # read and this write) or moved (another feeder fed first) refuses the whole batch, so no
 # feeder writes into a Redis that no longer holds the job, and none feeds a position twice.
 # KEYS: ledger, prompts stream. ARGV: field, expected fed, then one payload per prompt.
-# Returns the prompts appended (0: refused).
+# Returns the prompts appended; 0 if `fed` moved; -1 if the ledger is gone.
 FEED_LUA = """
 local fed = redis.call('HGET', KEYS[1], 'fed')
-if not fed or fed ~= ARGV[2] then return 0 end
+if not fed then return -1 end
+if fed ~= ARGV[2] then return 0 end
 for j = 3, #ARGV do redis.call('XADD', KEYS[2], '*', ARGV[1], ARGV[j]) end
 redis.call('HINCRBY', KEYS[1], 'fed', #ARGV - 2)
 return #ARGV - 2

@@ -22,6 +22,7 @@ from shared.backlog import budget_problem, feed_room
 from shared.bus import feed, trim_job
 from shared.domain.tasks import TaskItem, task_for_job
 from shared.job import JobRecord, JobState, UnreadableJob, load_job, set_state, update_job
+from shared.ledger import UnknownJob
 from shared.metrics import read_evals, read_ledger
 from shared.policy import read_pointer
 from shared.schema import PromptMsg, encode
@@ -132,12 +133,16 @@ class Feeder:
         # The prompts and the ledger's `fed` commit together, and only from the `fed` read above,
         # so the durable position always equals the prompts in the stream, and a Redis flushed
         # since that read gets nothing of the job back from a feeder (the api recovers it).
-        if not feed(self.r, rec.id, fed, payloads):
-            log.warning("job %s: not fed: its ledger is gone or moved since it was read (fed %d)", rec.id, fed)
+        try:
+            n = feed(self.r, rec.id, fed, payloads)
+        except UnknownJob as e:
+            log.warning("job %s: not fed: %s", rec.id, e)
+            n = 0
+        if n == 0:  # Redis lost the job, or another api replica fed this position first
             self._iters.pop(rec.id, None)  # the position is unknown: read it again next tick
             return 0
-        self._iters[rec.id] = (fed + len(payloads), it)
-        return len(payloads)
+        self._iters[rec.id] = (fed + n, it)
+        return n
 
     def _budget_holds(self, rec: JobRecord) -> bool:
         """A backlog budget the store cannot hold fails the job at once, with the reason naming

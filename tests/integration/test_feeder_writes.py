@@ -5,12 +5,15 @@ read the same position feeds nothing twice."""
 
 from __future__ import annotations
 
+import pytest
+
 from services.api import feeder as feeder_module
 from services.api.feeder import Feeder
 from services.api.jobs import create_job
 from shared import keys
 from shared.bus import feed
 from shared.job import JobSpec
+from shared.ledger import UnknownJob
 from shared.metrics import read_ledger
 
 
@@ -40,6 +43,12 @@ def test_two_feeders_that_read_one_position_feed_it_once(r):
     led = read_ledger(r, job_id)
     assert first.tick() == window
     # `second` read the same position before `first` wrote: its write is refused whole.
-    assert not feed(r, job_id, led["fed"], [b"stale"])
+    assert feed(r, job_id, led["fed"], [b"stale"]) == 0
     assert second.tick() == 0  # the window is full now anyway
     assert read_ledger(r, job_id)["fed"] == window == r.xlen(keys.prompts(job_id))
+
+
+def test_feeding_a_job_whose_ledger_is_gone_is_refused_by_name(r):
+    with pytest.raises(UnknownJob, match="no ledger for job 'gone-000001'"):
+        feed(r, "gone-000001", 0, [b"p"])
+    assert list(r.scan_iter(match=keys.job_key_pattern("gone-000001"))) == []

@@ -43,7 +43,7 @@ def _feed(r: redis.Redis, job: str, n: int) -> None:
     pipe = r.pipeline(transaction=True)  # one job: one slot, so one MULTI
     init_ledger(pipe, job)
     pipe.execute()
-    assert feed(r, job, 0, [f"{job}-p{i}".encode() for i in range(n)])  # the feeder's script, on its slot
+    assert feed(r, job, 0, [f"{job}-p{i}".encode() for i in range(n)]) == n  # the feeder's script, on its slot
 
 
 def test_jobs_on_different_masters_are_read_settled_and_audited_together(rc, redis_cluster):
