@@ -65,15 +65,15 @@ def load_model() -> tuple[Any, Any, Any]:
 def set_version(model: Any, versions: Path, v: int) -> None:
     """Version v's adapter into the model (the manifest names its data folder); v0, never
     published, is the base model (LoRA B = 0)."""
-    import json
-
     import torch
 
     from services.trainer.policy import ADAPTER_WEIGHTS, load_adapter_weights
+    from shared.folders import MANIFEST
+    from shared.policy import parse_manifest
 
-    manifest = versions / f"v{v}" / "manifest.json"
+    manifest = versions / f"v{v}" / MANIFEST
     if manifest.exists():
-        data_dir = json.loads(manifest.read_text())["data_dir"]
+        data_dir = parse_manifest(manifest.read_bytes(), str(manifest)).data_dir
         load_adapter_weights(model, (versions / f"v{v}" / data_dir / ADAPTER_WEIGHTS).read_bytes())
     elif v == 0:
         with torch.no_grad():
@@ -137,6 +137,7 @@ def score(model: Any, pairs: list[tuple[list[int], list[int]]]) -> tuple[Any, An
     (right-padded, so positions are unshifted), through the trainer's log-prob path."""
     import torch
 
+    from services.ref.engine import right_padded
     from shared.ml.chunked_logprobs import model_token_logprobs
 
     n_t = max(len(c) for _, c in pairs)
@@ -145,10 +146,7 @@ def score(model: Any, pairs: list[tuple[list[int], list[int]]]) -> tuple[Any, An
     with torch.no_grad():
         for i in range(0, len(pairs), 16):
             chunk = pairs[i : i + 16]
-            seqs = [p + c for p, c in chunk]
-            width = max(len(s) for s in seqs)
-            ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
-            att = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+            ids, att = right_padded(chunk, list(range(len(chunk))))
             lp = model_token_logprobs(model, ids, att, chunk=4096)
             for j, (p, c) in enumerate(chunk):
                 # lp[:, t] is log p(ids[t+1] | ids[:t+1]): completion token u sits at len(p)+u.
@@ -199,7 +197,6 @@ def measure(versions: Path, currents: list[int], lags: list[int], n_prompts: int
                     **lag_stats(cur_lp, behav_lp, mask),
                 }
             )
-            set_version(model, versions, behav_v)
     return sorted(rows, key=lambda r: (r["lag"], -r["current"]))
 
 
